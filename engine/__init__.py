@@ -1,0 +1,25 @@
+"""Engine core: scheduler, KV block manager, EngineCore, the engine process and the offline ``LLM``.
+
+``from engine import LLM, SamplingParams`` is the offline API; attributes load lazily so importing a
+submodule (as ``worker`` does for the shared step types) never pulls in the whole engine.
+"""
+
+from typing import Any
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "EngineCore"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from broker.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "EngineConfig":
+        from engine.config import EngineConfig
+        return EngineConfig
+    if name == "EngineCore":
+        from engine.core import EngineCore
+        return EngineCore
+    raise AttributeError(name)

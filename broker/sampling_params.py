@@ -1,0 +1,106 @@
+"""Sampling parameters of one request, shared by the API (validation) and the engine (sampling).
+
+Pure Python with no torch so API processes and Celery workers can validate requests cheaply.
+Invalid values raise ``ValueError`` with a message fit to show a user (the API turns it into a 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """vLLM-compatible sampling parameters.
+
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
+    ``stop`` strings are applied where text exists (the API process, the offline ``LLM``);
+    ``stop_token_ids`` and EOS are applied by the engine.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k < 0:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        _require(isinstance(self.n, int) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n}")
+        _require(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k}")
+        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _require(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _require(-2.0 <= self.frequency_penalty <= 2.0,
+                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _require(0.0 < self.repetition_penalty <= 2.0,
+                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                 f"max_tokens must be at least 1, got {self.max_tokens}")
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+                 f"min_tokens must be >= 0, got {self.min_tokens}")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _require(len(self.stop) <= 16, "at most 16 stop strings are allowed")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPSILON
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for the wire (msgpack); ``from_dict`` rebuilds and re-validates it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+        return cls(**data)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Parameters of the index-th of n parallel samples: n=1, and a distinct seed when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,148 @@
+"""Paged KV-cache block manager with prefix caching.
+
+Rules:
+- Blocks hold ``block_size`` token slots. A request's ``block_ids`` cover its computed tokens and the
+  ones scheduled this step.
+- Only full blocks are hashed; a block's hash chains the previous block's hash with its tokens, so a
+  hit means the whole prefix matches. Hits are confirmed by comparing tokens (hash collisions never
+  return wrong KV).
+- Freed blocks keep their hash and go to the back of the free queue; allocation takes from the front,
+  so cached blocks are reused least-recently-freed first. A request's blocks are freed tail first, so a
+  prefix outlives its tail.
+- Check/commit pairs: ``allocate_slots`` only changes state when it can satisfy the whole request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.request import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend ``request.block_hashes`` to cover the full blocks among its first ``num_tokens`` tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            prev = hashes[-1] if hashes else None
+            hashes.append(chain_hash(prev, tuple(request.token_ids[i * bs:(i + 1) * bs])))
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks matching the request's prefix (at least one token is always left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        self._update_hashes(request, max_blocks * bs)
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.hash_to_block.get(request.block_hashes[i])
+            if block_id is None:
+                break
+            if self.blocks[block_id].token_ids != tuple(request.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block_id)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Give the request blocks for its computed tokens, ``computed_blocks`` and ``num_new_tokens``
+        more. Returns False (changing nothing) when the free pool cannot cover it."""
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids) - len(computed_blocks)
+        reused_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if needed > self.num_free_blocks - reused_free:
+            return False
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+        request.block_ids.extend(computed_blocks)
+        for _ in range(max(needed, 0)):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
+            del self.hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        self._update_hashes(request, num_full * bs)
+        for i in range(request.num_cached_blocks, num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                continue
+            block.block_hash = request.block_hashes[i]
+            block.token_ids = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            self.hash_to_block.setdefault(block.block_hash, block.block_id)
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = ()
+        return True

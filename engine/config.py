@@ -1,0 +1,79 @@
+"""One config dataclass for an engine; checked in ``__post_init__``, derived values as properties."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine (and its workers) needs to know to run one model.
+
+    ``max_model_len`` None means the model's ``max_position_embeddings``. ``kv_cache_memory`` is the KV
+    budget in bytes on CPU (default 1 GiB, or ``REDSERVE_CPU_KV_CACHE_BYTES``); on CUDA the budget is
+    ``gpu_memory_utilization`` of the device minus what the weights and activations take.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise ValueError(f"model directory not found: {self.model}")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {self.model} has no config.json")
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"unsupported device {self.device!r}; use auto, cpu or cuda")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least block_size")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be at least 2")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.kv_cache_memory is None and self.device == "cpu":
+            self.kv_cache_memory = int(os.environ.get("REDSERVE_CPU_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES))
+
+    def torch_dtype(self, config_dtype: torch.dtype | str | None) -> torch.dtype:
+        """The dtype to run in: the explicit choice, else the checkpoint's (float32 if it names none)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if isinstance(config_dtype, torch.dtype):
+            return config_dtype
+        return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)

@@ -1,0 +1,176 @@
+"""EngineCore: the scheduler, the KV block manager and an executor, stepped by its caller.
+
+``add_request`` and ``abort_request`` may be called between steps; ``step()`` runs one
+schedule -> execute -> update cycle and returns one ``EngineOutput`` per request that produced a
+token or finished. A request with n > 1 runs as n child sequences; the first computes the prompt
+and the others start once its full blocks are in the prefix cache, so they share them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from broker.sampling_params import SamplingParams
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler, SchedulerConfig
+from worker.executor import Executor, make_executor
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one sequence (``index`` among the n of its request) since the last step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list | None = None
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    num_kv_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    steps: int
+    generated_tokens: int
+    prompt_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        self.config = config
+        self.executor = executor or make_executor(config)
+        self.max_model_len = self.executor.max_model_len
+        self.num_kv_blocks = self.executor.num_kv_blocks
+        self.vocab_size = self.executor.vocab_size
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.enable_chunked_prefill),
+            self.block_manager, self.executor.eos_token_ids)
+        self.children: dict[str, list[str]] = {}
+        self.held_siblings: dict[str, list[Request]] = {}
+        self.steps = 0
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for a bad prompt or a duplicate id."""
+        if request_id in self.children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; at least one token is required")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                             f"{self.max_model_len} tokens and at least one must be generated")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            kids = [Request(request_id, prompt_token_ids, params, arrival_time)]
+        else:
+            kids = [Request(f"{request_id}#{i}", prompt_token_ids, params.for_child(i), arrival_time,
+                            parent_id=request_id, index=i) for i in range(params.n)]
+        self.children[request_id] = [k.request_id for k in kids]
+        self.prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add_request(kids[0])
+        if len(kids) > 1 and self.config.enable_prefix_caching:
+            self.held_siblings[kids[0].request_id] = kids[1:]
+        else:
+            for kid in kids[1:]:
+                self.scheduler.add_request(kid)
+
+    def abort_request(self, request_ids: list[str]) -> list[EngineOutput]:
+        """Abort requests (by the id given to ``add_request``); unknown ids are ignored."""
+        outputs = []
+        for request_id in request_ids:
+            kid_ids = self.children.pop(request_id, [])
+            if not kid_ids:
+                continue
+            held = self.held_siblings.pop(kid_ids[0], [])
+            aborted = self.scheduler.abort_requests(kid_ids) + held
+            for req in aborted:
+                req.status = RequestStatus.FINISHED_ABORTED
+                outputs.append(self._output(req, [], None))
+        return outputs
+
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """Abort one of the n sequences of a request (e.g. it hit a stop string); the others go on."""
+        kids = self.children.get(request_id, [])
+        kid_id = request_id if len(kids) == 1 and kids[0] == request_id else f"{request_id}#{index}"
+        if kid_id not in kids:
+            return
+        for held in self.held_siblings.values():
+            held[:] = [r for r in held if r.request_id != kid_id]
+        self.scheduler.abort_requests([kid_id])
+        self._forget_child(request_id, kid_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.children)
+
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_req_ids:
+            return []
+        result = self.executor.execute_model(sched)
+        self.steps += 1
+        updates = self.scheduler.update_from_output(sched, result)
+        outputs = []
+        for update in updates:
+            self.generated_tokens += 1
+            outputs.append(self._output(update.request, [update.token.token_id], update.token.logprobs))
+            if update.finished:
+                self._forget_child(update.request.parent_id, update.request.request_id)
+        self._release_siblings()
+        return outputs
+
+    def _output(self, req: Request, tokens: list[int], logprobs: list | None) -> EngineOutput:
+        return EngineOutput(
+            request_id=req.parent_id, index=req.index, new_token_ids=tokens,
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            logprobs=None if logprobs is None else [logprobs])
+
+    def _forget_child(self, parent_id: str, kid_id: str) -> None:
+        kids = self.children.get(parent_id)
+        if kids is None or kid_id not in kids:
+            return
+        kids.remove(kid_id)
+        if not kids:
+            del self.children[parent_id]
+
+    def _release_siblings(self) -> None:
+        for first_id in list(self.held_siblings):
+            first = self.scheduler.requests.get(first_id)
+            if first is None or first.num_computed_tokens >= first.num_prompt_tokens:
+                for sibling in self.held_siblings.pop(first_id):
+                    self.scheduler.add_request(sibling)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting + sum(len(v) for v in self.held_siblings.values()),
+            num_running=self.scheduler.num_running,
+            kv_usage=bm.usage, num_kv_blocks=bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
+            generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

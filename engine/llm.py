@@ -1,0 +1,117 @@
+"""Offline inference, vLLM-style: ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from broker.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.core import EngineCore, EngineOutput
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+class LLM:
+    """Runs an ``EngineCore`` in this process until every prompt is done.
+
+    ``prompts`` is a string, a list of strings, a list of token ids, or a list of token-id lists.
+    ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt. Extra keyword
+    arguments are ``EngineConfig`` fields (block_size, max_num_seqs, num_kv_blocks, ...).
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
+                 **engine_kwargs):
+        self.config = EngineConfig(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                   seed=seed, **engine_kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_list)
+        if len(params_list) != len(prompt_list):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: dict[str, RequestOutput] = {}
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, token_ids, params)
+            results[request_id] = RequestOutput(
+                request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                [CompletionOutput(i) for i in range(params.n)])
+        params_by_id = dict(zip(results, params_list, strict=True))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self._apply(results[out.request_id], out, params_by_id[out.request_id])
+        for result, params in zip(results.values(), params_list, strict=True):
+            for completion in result.outputs:
+                if completion.text == "":
+                    completion.text = self._decode(completion.token_ids, params)
+        return list(results.values())
+
+    def _apply(self, result: RequestOutput, out: EngineOutput, params: SamplingParams) -> None:
+        completion = result.outputs[out.index]
+        completion.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            completion.logprobs = (completion.logprobs or []) + out.logprobs
+        result.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason is not None:
+            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
+        if params.stop and completion.finish_reason is None:
+            self._check_stop_strings(result, completion, params)
+
+    def _check_stop_strings(self, result: RequestOutput, completion: CompletionOutput,
+                            params: SamplingParams) -> None:
+        text = self._decode(completion.token_ids, params)
+        hits = [(text.find(s), s) for s in params.stop if s in text]
+        if not hits:
+            return
+        position, stop = min(hits)
+        completion.text = text[:position + (len(stop) if params.include_stop_str_in_output else 0)]
+        completion.finish_reason, completion.stop_reason = "stop", stop
+        self.engine.abort_sequence(result.request_id, completion.index)
+
+    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

@@ -1,0 +1,204 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, FCFS, preemption by recompute.
+
+Each step gives every running request its next tokens (one for a decode, a chunk for a prefill) within
+``max_num_batched_tokens``, then admits waiting requests while budget, ``max_num_seqs`` and KV blocks
+allow. When a running request cannot get a block, the latest-admitted running request is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed (its prefix-cached
+blocks usually make that cheap). No waiting request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.step_types import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SampledToken,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class TokenUpdate:
+    """What one step did for one request: its new token (if any) and whether it finished."""
+
+    request: Request
+    token: SampledToken | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int]):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_req_ids: list[str] = []
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {request.num_tokens} tokens; the model's context is "
+                             f"{self.config.max_model_len} tokens and at least one must be generated")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.status.finished:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._record(out, request, num_new, [])
+                budget -= num_new
+                i += 1
+        if not preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            num_computed = request.num_computed_tokens + len(computed) * self.block_manager.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._record(out, request, num_new, computed)
+            budget -= num_new
+        return budget
+
+    def _record(self, out: SchedulerOutput, request: Request, num_new: int, computed: list[int]) -> None:
+        out.num_scheduled_tokens[request.request_id] = num_new
+        if request.request_id not in self._known_to_runner:
+            self._known_to_runner.add(request.request_id)
+            out.new_requests.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling=request.params.to_dict(),
+                block_ids=list(request.block_ids),
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+            request.num_blocks_sent = len(request.block_ids)
+            return
+        resumed = request.num_blocks_sent < 0
+        start = 0 if resumed else request.num_blocks_sent
+        out.cached_requests.append(CachedRequestData(
+            req_id=request.request_id,
+            new_block_ids=request.block_ids[start:],
+            num_computed_tokens=request.num_computed_tokens,
+            resumed_from_preemption=resumed,
+        ))
+        request.num_blocks_sent = len(request.block_ids)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_blocks_sent = -1
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[TokenUpdate]:
+        """Advance computed tokens, append sampled tokens, apply stop rules, free finished requests."""
+        updates = []
+        for req_id, num_new in sched.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status.finished:
+                continue
+            request.num_computed_tokens += num_new
+            token = result.sampled.get(req_id)
+            if token is not None:
+                request.append_output_token(token.token_id)
+                status = self._check_stop(request, token.token_id)
+                if status is not None:
+                    self._finish(request, status)
+            self.block_manager.cache_full_blocks(request)
+            if token is not None:
+                updates.append(TokenUpdate(request, token, request.status.finished))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._finished_req_ids.append(request.request_id)

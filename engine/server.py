@@ -1,0 +1,294 @@
+"""The engine process: an EngineCore served through Redis.
+
+Threads (as vLLM's EngineCoreProc):
+1. input thread: XREADGROUP on this engine's request stream (blocking, batched) -> ``input_queue``.
+2. busy loop (main thread): drain ``input_queue`` -> ``core.step()`` -> group outputs by client ->
+   ``output_queue``. It blocks on the input queue only when there is no work.
+3. output thread: one pipeline per step: one PUBLISH per client with all its new tokens, the XACKs
+   of finished requests, the stats. A client with no subscriber is gone: its requests are aborted.
+
+Lifecycle: register (starting) -> heartbeat -> load the model -> READY. SIGTERM/SIGINT drain: state
+DRAINING (clients stop routing here), requests in flight finish, or are aborted with an error after
+``drain_timeout``; then deregister and exit 0. A failure inside a step fails every request in
+flight with an engine_error, deregisters and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from broker.connection import connect
+from broker.engine_link import OutputPublisher, RequestReader
+from broker.keys import EngineState, RedisKeys
+from broker.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    ErrorCode,
+    RequestOutput,
+    StartWave,
+    UtilityCall,
+    UtilityResult,
+    make_error,
+)
+from broker.registry import EngineHeartbeat, EngineRegistry
+from broker.sampling_params import SamplingParams
+from engine.config import EngineConfig
+from engine.core import EngineCore, EngineOutput
+
+logger = logging.getLogger(__name__)
+
+_CLIENT_GONE = object()
+
+
+@dataclass
+class InFlight:
+    client_id: str
+    message_id: str
+    deadline: float | None
+    remaining: int
+
+
+@dataclass
+class StepBatch:
+    """What the output thread sends for one step."""
+
+    by_client: dict[str, EngineOutputs] = field(default_factory=dict)
+    ack_ids: list[str] = field(default_factory=list)
+    stats: dict | None = None
+
+    def add(self, engine_id: str, client_id: str, output: RequestOutput) -> None:
+        self._outputs(engine_id, client_id).outputs.append(output)
+
+    def add_utility(self, engine_id: str, client_id: str, result: UtilityResult) -> None:
+        self._outputs(engine_id, client_id).utility_results.append(result)
+
+    def _outputs(self, engine_id: str, client_id: str) -> EngineOutputs:
+        if client_id not in self.by_client:
+            self.by_client[client_id] = EngineOutputs(engine_id, [], time.time())
+        return self.by_client[client_id]
+
+    def __bool__(self) -> bool:
+        return bool(self.by_client or self.ack_ids or self.stats)
+
+
+class EngineServer:
+    def __init__(self, config: EngineConfig, redis_url: str, dp_rank: int = 0, engine_id: str | None = None,
+                 key_prefix: str = "rs", heartbeat_ttl: float = 5.0, drain_timeout: float = 30.0):
+        self.config = config
+        self.dp_rank = dp_rank
+        self.engine_id = engine_id or str(dp_rank)
+        self.keys = RedisKeys(key_prefix)
+        self.redis = connect(redis_url, client_name=f"engine-{self.engine_id}")
+        self.heartbeat_ttl = heartbeat_ttl
+        self.drain_timeout = drain_timeout
+        self.registry = EngineRegistry(self.redis, self.keys)
+        self.reader = RequestReader(connect(redis_url), self.keys, self.engine_id, consumer=f"engine-{self.engine_id}")
+        self.publisher = OutputPublisher(connect(redis_url), self.keys, self.engine_id)
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.in_flight: dict[str, InFlight] = {}
+        self.stop_event = threading.Event()
+        self.draining_since: float | None = None
+        self.core: EngineCore | None = None
+        self._last_stats = 0.0
+        self._last_deadline_check = 0.0
+
+    def run(self) -> int:
+        """Serve until drained (returns 0) or until the engine fails (returns 1)."""
+        self.reader.reset()
+        self.registry.register(self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
+                                                "model": self.config.model})
+        heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl).start()
+        try:
+            self.core = EngineCore(self.config)
+        except Exception:
+            logger.exception("engine %s failed to start", self.engine_id)
+            heartbeat.stop()
+            self.registry.deregister(self.engine_id)
+            return 1
+        self.registry.mark_ready(self.engine_id, self.core.num_kv_blocks, self.config.block_size,
+                                 self.core.max_model_len)
+        logger.info("engine %s READY: %d KV blocks of %d tokens, max_model_len %d", self.engine_id,
+                    self.core.num_kv_blocks, self.config.block_size, self.core.max_model_len)
+        threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
+                   threading.Thread(target=self._output_loop, name="engine-output", daemon=True)]
+        for t in threads:
+            t.start()
+        code = 0
+        try:
+            self._busy_loop()
+        except Exception as exc:
+            logger.exception("engine %s failed", self.engine_id)
+            self._fail_all(make_error(ErrorCode.ENGINE_ERROR, f"engine {self.engine_id} failed: {exc}"))
+            code = 1
+        self.stop_event.set()
+        self.output_queue.put(None)
+        threads[1].join(timeout=10)
+        heartbeat.stop()
+        self.registry.deregister(self.engine_id)
+        self.core.shutdown()
+        logger.info("engine %s stopped", self.engine_id)
+        return code
+
+    def request_drain(self, *_: object) -> None:
+        """Signal handler: stop taking traffic, finish what is in flight, then exit."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            self.input_queue.put(None)
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_drain)
+        signal.signal(signal.SIGINT, self.request_drain)
+
+    def _input_loop(self) -> None:
+        while not self.stop_event.is_set():
+            for message_id, msg in self.reader.read(block_ms=200, count=256):
+                self.input_queue.put((message_id, msg))
+
+    def _output_loop(self) -> None:
+        while True:
+            batch = self.output_queue.get()
+            if batch is None:
+                return
+            receivers = self.publisher.publish(batch.by_client, batch.ack_ids, batch.stats)
+            gone = [c for c, n in receivers.items() if n == 0]
+            if gone:
+                self.input_queue.put((_CLIENT_GONE, gone))
+
+    def _busy_loop(self) -> None:
+        core = self.core
+        announced_drain = False
+        while True:
+            if self.draining_since is not None and not announced_drain:
+                self.registry.set_state(self.engine_id, EngineState.DRAINING)
+                announced_drain = True
+            batch = StepBatch()
+            self._drain_input(batch, block=not core.has_unfinished_requests())
+            if self.draining_since is not None:
+                if not core.has_unfinished_requests() and self.input_queue.empty():
+                    self._flush(batch, force_stats=True)
+                    return
+                if time.monotonic() - self.draining_since > self.drain_timeout:
+                    self._abort_all(batch, make_error(ErrorCode.ENGINE_GONE, "engine shut down while draining"))
+                    self._flush(batch, force_stats=True)
+                    return
+            self._expire_deadlines(batch)
+            if core.has_unfinished_requests():
+                for out in core.step():
+                    self._emit(batch, out)
+            self._flush(batch)
+
+    def _drain_input(self, batch: StepBatch, block: bool) -> None:
+        try:
+            item = self.input_queue.get(timeout=0.5) if block else self.input_queue.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None or not self.input_queue.empty():
+            if item is not None:
+                self._handle(batch, *item)
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, batch: StepBatch, message_id, msg) -> None:
+        if message_id is _CLIENT_GONE:
+            gone = set(msg)
+            ids = [rid for rid, f in self.in_flight.items() if f.client_id in gone]
+            if ids:
+                logger.info("engine %s: aborting %d requests of departed clients", self.engine_id, len(ids))
+                self._abort(batch, ids)
+            for client_id in gone:
+                self.publisher.forget_client(client_id)
+        elif isinstance(msg, AddRequest):
+            self._add(batch, message_id, msg)
+        elif isinstance(msg, AbortRequests):
+            self._abort(batch, [rid for rid in msg.request_ids if rid in self.in_flight])
+        elif isinstance(msg, UtilityCall):
+            batch.add_utility(self.engine_id, msg.client_id, self._call_utility(msg))
+        elif isinstance(msg, StartWave):
+            pass
+
+    def _add(self, batch: StepBatch, message_id: str, msg: AddRequest) -> None:
+        if msg.request_id in self.in_flight:
+            return
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time)
+        except (ValueError, TypeError) as exc:
+            batch.add(self.engine_id, msg.client_id, RequestOutput(
+                msg.request_id, 0, [], finish_reason="error",
+                error=make_error(ErrorCode.INVALID_REQUEST, str(exc))))
+            batch.ack_ids.append(message_id)
+            return
+        self.in_flight[msg.request_id] = InFlight(msg.client_id, message_id, msg.deadline, params.n)
+
+    def _abort(self, batch: StepBatch, request_ids: list[str]) -> None:
+        for out in self.core.abort_request(request_ids):
+            self._emit(batch, out)
+
+    def _emit(self, batch: StepBatch, out: EngineOutput, error: str | None = None) -> None:
+        flight = self.in_flight.get(out.request_id)
+        if flight is None:
+            return
+        batch.add(self.engine_id, flight.client_id, RequestOutput(
+            out.request_id, out.index, out.new_token_ids, out.finish_reason, out.stop_reason,
+            out.num_prompt_tokens, out.num_cached_tokens, out.logprobs, error))
+        if out.finish_reason is not None:
+            flight.remaining -= 1
+            if flight.remaining <= 0:
+                del self.in_flight[out.request_id]
+                batch.ack_ids.append(flight.message_id)
+
+    def _expire_deadlines(self, batch: StepBatch) -> None:
+        now = time.time()
+        if now - self._last_deadline_check < 0.5:
+            return
+        self._last_deadline_check = now
+        expired = [rid for rid, f in self.in_flight.items() if f.deadline is not None and f.deadline < now]
+        if expired:
+            self._abort(batch, expired)
+
+    def _call_utility(self, msg: UtilityCall) -> UtilityResult:
+        methods = {"reset_prefix_cache": self.core.reset_prefix_cache, "get_stats": self._stats}
+        method = methods.get(msg.method)
+        if method is None:
+            return UtilityResult(msg.call_id, error=f"unknown utility method {msg.method!r}")
+        try:
+            return UtilityResult(msg.call_id, result=method(*msg.args))
+        except Exception as exc:
+            return UtilityResult(msg.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _stats(self) -> dict:
+        s = self.core.stats()
+        return {"waiting": s.num_waiting, "running": s.num_running, "kv_usage": round(s.kv_usage, 4),
+                "num_steps": s.steps, "generated_tokens": s.generated_tokens, "prompt_tokens": s.prompt_tokens,
+                "num_preemptions": s.num_preemptions,
+                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4)}
+
+    def _flush(self, batch: StepBatch, force_stats: bool = False) -> None:
+        now = time.monotonic()
+        if force_stats or now - self._last_stats > 0.1:
+            self._last_stats = now
+            batch.stats = self._stats()
+        if batch:
+            self.output_queue.put(batch)
+
+    def _abort_all(self, batch: StepBatch, error: str) -> None:
+        for out in self.core.abort_request(list(self.in_flight)):
+            self._emit(batch, out, error=error)
+
+    def _fail_all(self, error: str) -> None:
+        batch = StepBatch()
+        for request_id, flight in list(self.in_flight.items()):
+            batch.add(self.engine_id, flight.client_id,
+                      RequestOutput(request_id, 0, [], finish_reason="error", error=error))
+            batch.ack_ids.append(flight.message_id)
+        self.in_flight.clear()
+        self.output_queue.put(batch)

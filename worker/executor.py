@@ -1,0 +1,62 @@
+"""Executors: the engine's one interface to its model runner(s).
+
+``UniprocExecutor`` (TP = 1) runs the model runner in the engine's own process: no IPC at all.
+``MultiprocExecutor`` (TP > 1, in ``worker.multiproc_executor``) broadcasts each step to worker
+processes over shared memory; both expose the same methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.model_runner import ModelRunner
+from worker.parallel_state import init_tensor_parallel
+
+
+class Executor(Protocol):
+    num_kv_blocks: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class UniprocExecutor:
+    def __init__(self, config: EngineConfig):
+        init_tensor_parallel(0, 1, "", torch.device(config.device))
+        self.runner = ModelRunner(config)
+        self.num_kv_blocks = self.runner.determine_num_kv_blocks()
+        self.runner.init_kv_cache(self.num_kv_blocks)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = self.runner.eos_token_ids
+        self.vocab_size = self.runner.hf_config.vocab_size
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+    def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
+        return [getattr(self.runner, method)(*args)]
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches = []
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.tensor_parallel_size == 1:
+        return UniprocExecutor(config)
+    from worker.multiproc_executor import MultiprocExecutor
+    return MultiprocExecutor(config)

@@ -1,0 +1,149 @@
+"""Per-request state a model runner keeps between steps, and the tensors one step is built from.
+
+The scheduler sends a request in full once; afterwards the runner knows its tokens (it sampled them)
+and gets only new block ids and the computed-token count. Decodes go first in the flattened batch,
+then prefill chunks, as ``PagedAttention`` expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from broker.sampling_params import SamplingParams
+from engine.step_types import SchedulerOutput
+from worker.layers.attention import AttentionMetadata, PrefillChunk
+from worker.sampler import SamplingBatch
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampled_states: list[CachedRequestState]
+
+
+class InputBatch:
+    def __init__(self, block_size: int, device: torch.device, num_heads_per_kv: int, eos_token_ids: list[int]):
+        self.block_size = block_size
+        self.device = device
+        self.group = num_heads_per_kv
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_requests:
+            params = SamplingParams.from_dict(new.sampling)
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids, new.prompt_token_ids + new.output_token_ids, params,
+                list(new.block_ids), new.num_computed_tokens, generator)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.req_id]
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        order = sorted(sched.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[CachedRequestState] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_specs: list[tuple[int, int, int, list[int]]] = []
+        for req_id, n in order:
+            state = self.requests[req_id]
+            start, c = len(input_ids), state.num_computed_tokens
+            input_ids.extend(state.token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            blocks = state.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
+            if n == 1:
+                decode_tables.append(blocks[:(c + bs) // bs])
+                decode_lens.append(c + 1)
+            else:
+                prefill_specs.append((start, n, c, blocks[:-(-(c + n) // bs)]))
+            if c + n == len(state.token_ids):
+                logits_indices.append(start + n - 1)
+                sampled.append(state)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        if decode_tables:
+            self._add_decodes(meta, decode_tables, decode_lens)
+        meta.prefills = [self._prefill_chunk(*spec) for spec in prefill_specs]
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
+                          self._tensor(logits_indices), sampled)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _slot_table(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        table = torch.tensor(padded, dtype=torch.long).to(self.device, non_blocking=True)
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (table.unsqueeze(-1) * self.block_size + offsets).view(len(tables), -1)
+
+    def _add_decodes(self, meta: AttentionMetadata, tables: list[list[int]], lens: list[int]) -> None:
+        length = max(lens)
+        meta.num_decodes = len(tables)
+        meta.decode_slots = self._slot_table(tables)[:, :length].contiguous()
+        context = self._tensor(lens)
+        positions = torch.arange(length, device=self.device)
+        meta.decode_mask = (positions.unsqueeze(0) >= context.unsqueeze(1)).view(len(tables), 1, 1, length)
+
+    def _prefill_chunk(self, start: int, n: int, computed: int, blocks: list[int]) -> PrefillChunk:
+        context = computed + n
+        slot_index = self._slot_table([blocks])[0, :context] if computed else None
+        keys = torch.arange(context, device=self.device)
+        queries = torch.arange(computed, context, device=self.device)
+        mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).repeat(self.group, 1)
+        return PrefillChunk(start, n, computed, slot_index, mask)
+
+    def sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:
+        def stop_mask(s: CachedRequestState) -> list[int]:
+            num_out = len(s.token_ids) - len(s.prompt_token_ids)
+            if num_out >= s.params.min_tokens:
+                return []
+            return list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else list(self.eos_token_ids))
+
+        params = [s.params for s in states]
+        needs_history = any(p.needs_penalties for p in params)
+        return SamplingBatch(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            generators=[s.generator for s in states],
+            num_logprobs=[p.logprobs for p in params],
+            repetition_penalty=[p.repetition_penalty for p in params],
+            presence_penalty=[p.presence_penalty for p in params],
+            frequency_penalty=[p.frequency_penalty for p in params],
+            prompt_token_ids=[s.prompt_token_ids for s in states] if needs_history else [],
+            output_token_ids=[s.token_ids[len(s.prompt_token_ids):] for s in states] if needs_history else [],
+            stop_token_masks=[stop_mask(s) for s in states],
+        )

@@ -1,0 +1,50 @@
+"""Rotary position embeddings (neox layout, as Llama/Qwen2/Mistral in Hugging Face format).
+
+Scaled variants (linear, llama3, yarn, longrope) take their frequencies from transformers'
+``ROPE_INIT_FUNCTIONS`` so they match the reference implementation exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+_SUPPORTED = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+def rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device):
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params["rope_type"]
+        if rope_type not in _SUPPORTED:
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {sorted(_SUPPORTED)}")
+        if rope_type == "default":
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+        self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, d], k: [T, kv_heads, d]; rotated in float32, returned in their dtype."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

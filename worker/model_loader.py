@@ -1,0 +1,104 @@
+"""Load a Hugging Face model directory from disk: config (AutoConfig), weights (safetensors, sharded
+or not). Each TP rank reads only its own shard of every tensor."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, GenerationConfig
+
+from worker.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+class ModelLoadError(ValueError):
+    """The model directory cannot be served; the message names the missing file or unsupported feature."""
+
+
+def load_config(model_dir: str):
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read config.json in {model_dir}: {exc}") from exc
+    archs = getattr(config, "architectures", None) or []
+    if not any(a in ARCHITECTURES for a in archs):
+        raise ModelLoadError(f"unsupported architecture {archs or config.model_type!r} in {model_dir}; "
+                             f"supported: {sorted(ARCHITECTURES)}")
+    return config
+
+
+def eos_token_ids(model_dir: str, config) -> list[int]:
+    """EOS ids from generation_config.json when present, else config.json."""
+    ids = None
+    if (Path(model_dir) / "generation_config.json").is_file():
+        ids = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    if ids is None:
+        ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def weight_files(model_dir: str) -> list[Path]:
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir} is missing weight shards named in its index: {missing}")
+        return [root / n for n in names]
+    single = root / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no safetensors weights found in {model_dir} (expected model.safetensors "
+                             "or model.safetensors.index.json)")
+    return files
+
+
+def build_model(model_dir: str, config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+    arch = next(a for a in config.architectures if a in ARCHITECTURES)
+    with torch.device(device):
+        model = ARCHITECTURES[arch](config, dtype, device, max_positions)
+    loaded = load_weights(model, weight_files(model_dir))
+    if "lm_head.weight" not in loaded:
+        model.lm_head.weight = model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    if missing:
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}")
+    return model.eval()
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> set[str]:
+    """Copy every checkpoint tensor into its (sharded) parameter; returns the parameter names filled."""
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                target = model.resolve_weight(name)
+                if target is None:
+                    continue
+                module, param, shard = target
+                tensor = f.get_slice(name)
+                if hasattr(module, "load_shard"):
+                    module.load_shard(param, tensor, shard)
+                else:
+                    param.data.copy_(tensor[:])
+                loaded.add(param_names[id(param)])
+    return loaded

@@ -1,0 +1,109 @@
+"""Runs the model for one scheduler step on one rank: builds inputs, runs the forward pass over the
+paged KV cache, samples. Owns the weights and the KV cache of its rank."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.input_batch import InputBatch
+from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
+from worker.parallel_state import tp_group
+from worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.hf_config = load_config(config.model)
+        self.dtype = config.torch_dtype(getattr(self.hf_config, "torch_dtype", None)
+                                        or getattr(self.hf_config, "dtype", None))
+        self.max_model_len = self._max_model_len()
+        started = time.perf_counter()
+        self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
+        logger.info("loaded %s (%s, %s) in %.2fs", config.model, self.dtype, self.device,
+                    time.perf_counter() - started)
+        hf = self.hf_config
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_kv_heads = (hf.num_key_value_heads or hf.num_attention_heads) // tp_group().size
+        self.eos_token_ids = eos_token_ids(config.model, hf)
+        self.input_batch = InputBatch(config.block_size, self.device,
+                                      hf.num_attention_heads // (hf.num_key_value_heads or hf.num_attention_heads),
+                                      self.eos_token_ids)
+        self.sampler = Sampler(self.device)
+        self.kv_caches: list[torch.Tensor] = []
+
+    def _max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ModelLoadError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        layers = self.hf_config.num_hidden_layers
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * layers * self.config.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks that fit the KV budget: the CPU byte budget, or free GPU memory after a profile run."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = self.config.kv_cache_memory
+        return max(int(budget // self.kv_bytes_per_block), 0)
+
+    def _cuda_kv_budget(self) -> int:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe_blocks = -(-self.config.max_num_batched_tokens // self.config.block_size) + 1
+        self.init_kv_cache(probe_blocks)
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self.profile_run(tokens)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.gpu_memory_utilization - peak)
+
+    def profile_run(self, num_tokens: int) -> None:
+        from engine.step_types import NewRequestData
+        blocks = list(range(-(-num_tokens // self.config.block_size)))
+        req = NewRequestData("__profile__", [0] * num_tokens, [], {"max_tokens": 1}, blocks, 0)
+        self.execute_model(SchedulerOutput(new_requests=[req], num_scheduled_tokens={"__profile__": num_tokens}))
+        self.input_batch.requests.pop("__profile__", None)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        min_blocks = -(-self.max_model_len // self.config.block_size)
+        if num_blocks < min_blocks and self.config.num_kv_blocks is None:
+            raise ModelLoadError(
+                f"the KV cache budget holds {num_blocks * self.config.block_size} tokens, fewer than "
+                f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
+        shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.hf_config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.update(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        inputs = self.input_batch.prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampled_states:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        batch = self.input_batch.sampling_batch(inputs.sampled_states)
+        tokens = self.sampler(logits, batch)
+        for state, token in zip(inputs.sampled_states, tokens, strict=True):
+            state.token_ids.append(token.token_id)
+        return ModelRunnerOutput({s.req_id: t for s, t in zip(inputs.sampled_states, tokens, strict=True)})
