@@ -1,0 +1,1 @@
+"""The ``redserve`` command line and the single-node stack launcher."""

@@ -23,8 +23,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.hf_config = load_config(config.model)
-        self.dtype = config.torch_dtype(getattr(self.hf_config, "torch_dtype", None)
-                                        or getattr(self.hf_config, "dtype", None))
+        self.dtype = config.torch_dtype(getattr(self.hf_config, "dtype", None)
+                                        or getattr(self.hf_config, "torch_dtype", None))
         self.max_model_len = self._max_model_len()
         started = time.perf_counter()
         self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
@@ -88,7 +88,7 @@ class ModelRunner:
             raise ModelLoadError(
                 f"the KV cache budget holds {num_blocks * self.config.block_size} tokens, fewer than "
                 f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
-        shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
+        shape = (2, self.num_kv_heads, num_blocks * self.config.block_size, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.hf_config.num_hidden_layers)]
 

@@ -2,8 +2,10 @@
 
 The flattened batch puts decode tokens (one query per request) first, then each prefill chunk.
 K/V of the step are written to their slots first; every query then reads its context from the cache
-through its block table. Decodes are batched: GQA is folded into the query axis (queries of one KV
-head attend together), so K/V are never repeated. Runs on CPU and CUDA with plain torch ops.
+through its block table. The cache is head-major, ``[2, kv_heads, num_slots, head_dim]``, so one
+``index_select`` gathers a batch's context already laid out as ``[kv_heads, batch, length, d]`` and the
+batched matmuls need no further copy. GQA is folded into the query axis (the queries of one KV head
+attend together), so K/V are never repeated. Runs on CPU and CUDA with plain torch ops.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, d]; k, v: [T, KVH, d]; kv_cache: [2, num_slots, KVH, d]. Returns [T, H*d]."""
+        """q: [T, H, d]; k, v: [T, KVH, d]; kv_cache: [2, KVH, num_slots, d]. Returns [T, H*d]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], k_cache, v_cache, meta)
@@ -60,23 +62,26 @@ class PagedAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         batch, length = meta.decode_slots.shape
+        shape = (self.num_kv_heads, batch, length, self.head_dim)
         slots = meta.decode_slots.view(-1)
-        keys = k_cache.index_select(0, slots).view(batch, length, self.num_kv_heads, self.head_dim)
-        values = v_cache.index_select(0, slots).view(batch, length, self.num_kv_heads, self.head_dim)
-        queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * self.scale
+        keys = k_cache.index_select(1, slots).view(shape)
+        values = v_cache.index_select(1, slots).view(shape)
+        queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * self.scale
         scores.masked_fill_(meta.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values.transpose(1, 2)).view(batch, self.num_heads, self.head_dim)
+        out = torch.matmul(probs, values)
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         n = chunk.num_tokens
         if chunk.num_computed:
-            k = k_cache.index_select(0, chunk.slot_index)
-            v = v_cache.index_select(0, chunk.slot_index)
+            keys = k_cache.index_select(1, chunk.slot_index)
+            values = v_cache.index_select(1, chunk.slot_index)
+        else:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
         queries = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)
         mask = chunk.causal_mask
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)

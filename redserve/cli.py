@@ -1,0 +1,141 @@
+"""The ``redserve`` command. Each subcommand imports only what it needs, so ``redserve api`` never
+loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the tiny test model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes on CPU (default 1 GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_redis_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("REDSERVE_REDIS_URL"),
+                   help="Redis URL (default: $REDSERVE_REDIS_URL; `serve` starts an embedded Redis when unset)")
+    p.add_argument("--key-prefix", default=os.environ.get("REDSERVE_KEY_PREFIX", "rs"))
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
+        enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
+        seed=args.seed)
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    if args.model is None:
+        from engine.tiny_model import default_model_dir, ensure_default_model
+        logging.getLogger("redserve").warning(
+            "no --model given: serving the tiny test model (random weights) at %s", default_model_dir())
+        args.model = str(ensure_default_model())
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from engine.server import EngineServer
+    from redserve.proctitle import set_title
+    if not args.redis_url:
+        sys.exit("redserve engine: --redis-url (or REDSERVE_REDIS_URL) is required")
+    resolve_model(args)
+    set_title(f"redserve-engine-{args.dp_rank}")
+    server = EngineServer(engine_config_from_args(args), args.redis_url, dp_rank=args.dp_rank,
+                          engine_id=args.engine_id, key_prefix=args.key_prefix,
+                          drain_timeout=args.drain_timeout)
+    server.install_signal_handlers()
+    return server.run()
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.tiny_model import run_from_args
+    return run_from_args(args)
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from api.server import run_api
+    return run_api(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from redserve.stack import run_stack
+    return run_stack(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from redserve.bench_serve import run_bench
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="redserve", description="OpenAI-compatible LLM serving over Redis")
+    parser.add_argument("--log-level", default=os.environ.get("REDSERVE_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run a whole single-node stack: Redis (embedded if needed), engines, API")
+    _add_engine_config_args(p)
+    _add_redis_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-workers", type=int, default=2)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("engine", help="run one engine (a DP rank); may run headless on another node")
+    _add_engine_config_args(p)
+    _add_redis_args(p)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--engine-id", default=None, help="id in Redis (default: the DP rank)")
+    p.add_argument("--headless", action="store_true", help="no API on this node (engines never run one)")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("api", help="run the OpenAI-compatible HTTP API (gunicorn + Flask)")
+    from api.options import add_api_arguments
+    add_api_arguments(p)
+    p.set_defaults(func=cmd_api)
+
+    p = sub.add_parser("make-tiny-model", help="write a small random-weight HF model directory")
+    from engine.tiny_model import add_arguments
+    add_arguments(p)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    b = bench_sub.add_parser("serve", help="serving benchmark against a running server")
+    from redserve.bench_serve import add_bench_arguments
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
