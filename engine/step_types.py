@@ -58,3 +58,32 @@ class ModelRunnerOutput:
     """Tokens sampled this step, only for requests whose scheduled chunk reached their last token."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+
+def scheduler_output_to_wire(sched: SchedulerOutput) -> dict[str, Any]:
+    """Plain dict of ints, strs and lists for the shm queue (msgpack)."""
+    return {
+        "new": [[n.req_id, n.prompt_token_ids, n.output_token_ids, n.sampling, n.block_ids, n.num_computed_tokens]
+                for n in sched.new_requests],
+        "cached": [[c.req_id, c.new_block_ids, c.num_computed_tokens, c.resumed_from_preemption]
+                   for c in sched.cached_requests],
+        "scheduled": sched.num_scheduled_tokens,
+        "finished": sched.finished_req_ids,
+    }
+
+
+def scheduler_output_from_wire(data: dict[str, Any]) -> SchedulerOutput:
+    return SchedulerOutput(
+        new_requests=[NewRequestData(*n) for n in data["new"]],
+        cached_requests=[CachedRequestData(*c) for c in data["cached"]],
+        num_scheduled_tokens=dict(data["scheduled"]),
+        finished_req_ids=list(data["finished"]),
+    )
+
+
+def runner_output_to_wire(out: ModelRunnerOutput) -> dict[str, Any]:
+    return {req_id: [t.token_id, t.logprobs] for req_id, t in out.sampled.items()}
+
+
+def runner_output_from_wire(data: dict[str, Any]) -> ModelRunnerOutput:
+    return ModelRunnerOutput({req_id: SampledToken(t[0], t[1]) for req_id, t in data.items()})

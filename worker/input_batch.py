@@ -60,7 +60,7 @@ class InputBatch:
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
-                state.block_ids.extend(cached.new_block_ids)
+                state.block_ids = list(cached.new_block_ids)
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens

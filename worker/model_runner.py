@@ -107,3 +107,8 @@ class ModelRunner:
         for state, token in zip(inputs.sampled_states, tokens, strict=True):
             state.token_ids.append(token.token_id)
         return ModelRunnerOutput({s.req_id: t for s, t in zip(inputs.sampled_states, tokens, strict=True)})
+
+    def info(self) -> dict:
+        """What the engine needs to know about the model (sent back over the response queue)."""
+        return {"max_model_len": self.max_model_len, "eos_token_ids": list(self.eos_token_ids),
+                "vocab_size": self.hf_config.vocab_size}

@@ -1,0 +1,558 @@
+"""The client side of the broker, shared by API processes and Celery workers.
+
+Rules:
+- One `BrokerClient` per process, created (or at least started) after fork: gunicorn forks its
+  workers, so build it lazily in the worker (`start()` is idempotent and `submit` calls it).
+  Using a client started in another process raises RuntimeError. All methods are thread-safe.
+- `start()` refreshes a heartbeat key `rs:client:{id}:alive` (TTL `heartbeat_ttl`) and runs one
+  listener thread subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into per-request
+  mailboxes. `submit` registers the mailbox BEFORE the XADD, and only while subscribed.
+- Nothing hangs and nothing is silently lost; a request ends with an error output (finish_reason
+  "error", `error` = "<ErrorCode>: ...") when:
+  * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
+  * the output subscription drops (Redis restarted, network) -> broker_disconnected, for every
+    request in flight (outputs may have been missed); the listener resubscribes with backoff and
+    ABORTs are sent once Redis is back;
+  * `EngineOutputs.seq` from an engine skips a number -> output_lost, for that engine's requests;
+  * its engine's heartbeat expires or the engine restarts (new incarnation) -> the request is
+    re-placed on another engine if it has produced no output yet (at most `resubmit_limit` times),
+    else engine_gone. Liveness is checked every `liveness_interval` seconds.
+- `submit` raises `NoEngineAvailable` (no READY live engine), `BrokerUnavailable` (Redis
+  unreachable or not subscribed within `subscribe_timeout`), ValueError (duplicate request id,
+  foreign client id) or `MessageError` (params not msgpack-able).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+from broker.connection import connect
+from broker.engine_link import STREAM_FIELD
+from broker.errors import BrokerUnavailable, NoEngineAvailable, UtilityError
+from broker.keys import EngineState, RedisKeys, check_id
+from broker.load_balance import EngineSelector, read_lb_snapshot
+from broker.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineOutputs,
+    ErrorCode,
+    FinishReason,
+    MessageError,
+    RequestOutput,
+    UtilityCall,
+    UtilityResult,
+    decode,
+    encode,
+    make_error,
+)
+from broker.registry import EngineRegistry
+from broker.request_handle import Mailbox, RequestHandle
+
+logger = logging.getLogger(__name__)
+
+_OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError)
+_TICK = 0.05
+
+
+def default_client_id() -> str:
+    """hostname-pid-random, safe inside key names."""
+    host = re.sub(r"[:\s]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class BrokerClient:
+    """Submits requests to engines and receives their outputs; see the module rules."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        keys: RedisKeys | None = None,
+        client_id: str | None = None,
+        *,
+        heartbeat_ttl: float = 10.0,
+        engine_refresh: float = 0.5,
+        liveness_interval: float = 1.0,
+        snapshot_max_age: float = 5.0,
+        subscribe_timeout: float = 5.0,
+        resubmit_limit: int = 1,
+        stream_maxlen: int = 100_000,
+    ) -> None:
+        self.redis_url = redis_url
+        self.keys = keys or RedisKeys()
+        self.client_id = check_id("client", client_id or default_client_id())
+        self._heartbeat_ttl = heartbeat_ttl
+        self._engine_refresh = engine_refresh
+        self._liveness_interval = liveness_interval
+        self._snapshot_max_age = snapshot_max_age
+        self._subscribe_timeout = subscribe_timeout
+        self._resubmit_limit = resubmit_limit
+        self._stream_maxlen = stream_maxlen
+
+        self._start_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._stopping = threading.Event()
+        self._subscribed = False
+        self._subscribed_event = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._mailboxes: dict[str, Mailbox] = {}
+        self._calls: dict[str, tuple[str, Any]] = {}  # call_id -> (engine_id, SimpleQueue)
+        self._last_seq: dict[str, int] = {}
+        self._incarnations: dict[str, str] = {}
+        self._pending_aborts: dict[str, set[str]] = {}
+        self._redis: redis.Redis | None = None
+        self._registry: EngineRegistry | None = None
+        self.selector: EngineSelector | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def start(self) -> BrokerClient:
+        """Start the heartbeat and listener threads (idempotent; does not wait for Redis)."""
+        with self._start_lock:
+            if self._pid is not None:
+                self._check_pid()
+                if self._stopping.is_set():
+                    raise RuntimeError("this BrokerClient was stopped; create a new one")
+                return self
+            self._pid = os.getpid()
+            self._stopping.clear()
+            self._redis = connect(self.redis_url, client_name=f"redserve-client-{self.client_id}")
+            self._registry = EngineRegistry(self._redis, self.keys)
+            self.selector = EngineSelector(self._fetch_engines, self._engine_refresh, self._snapshot_max_age)
+            self._threads = [
+                threading.Thread(target=self._listen, name=f"broker-listener-{self.client_id}", daemon=True),
+                threading.Thread(target=self._maintain, name=f"broker-maintenance-{self.client_id}", daemon=True),
+            ]
+            for t in self._threads:
+                t.start()
+            return self
+
+    def stop(self) -> None:
+        """Fail what is in flight (ABORTs sent), stop the threads, remove the heartbeat; idempotent.
+
+        If Redis is unreachable at that moment the Redis cleanup is skipped (the heartbeat key
+        expires by itself, engines abort requests of a client whose channel has no subscriber).
+        """
+        with self._start_lock:
+            if self._pid is None or self._pid != os.getpid() or self._stopping.is_set():
+                return
+            redis_up = self._subscribed
+            self._stopping.set()
+            for t in self._threads:
+                t.join()
+            with self._lock:
+                for mb in list(self._mailboxes.values()):
+                    self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "the broker client was stopped")
+                self._fail_calls_locked(None, "the broker client was stopped")
+            if redis_up:
+                self._flush_aborts()
+                try:
+                    p = self._redis.pipeline(transaction=False)
+                    p.delete(self.keys.client_alive(self.client_id))
+                    p.srem(self.keys.clients(), self.client_id)
+                    p.execute()
+                except redis.RedisError as e:
+                    logger.warning("client %s: could not remove its heartbeat: %s", self.client_id, e)
+            self._redis.close()
+
+    def wait_subscribed(self, timeout: float) -> bool:
+        """True once the output subscription is up (within `timeout` seconds)."""
+        self.start()
+        return self._subscribed_event.wait(timeout)
+
+    # ----------------------------------------------------------------- requests
+
+    def submit(self, add: AddRequest, engine_id: str | None = None) -> RequestHandle:
+        """Place `add` on `engine_id` or on the least loaded READY engine; see the module rules."""
+        self.start()
+        self._check_pid()
+        if not add.client_id:
+            add.client_id = self.client_id
+        elif add.client_id != self.client_id:
+            raise ValueError(f"AddRequest.client_id {add.client_id!r} is not this client ({self.client_id!r})")
+        payload = encode(add)
+        info = self._choose(engine_id)
+        n = int(add.params.get("n", 1) or 1)
+        mb = Mailbox(add=add, engine_id=info["engine_id"], incarnation=info.get("incarnation"), n=n)
+        self._register(mb)
+        try:
+            self._xadd(mb.engine_id, payload)
+        except redis.RedisError as e:
+            with self._lock:
+                self._finish_locked(mb)
+            raise BrokerUnavailable(f"could not send request {add.request_id} to Redis: {e}") from e
+        return RequestHandle(self, mb)
+
+    def abort(self, request_ids: Iterable[str], engine_id: str) -> None:
+        """ABORT `request_ids` on `engine_id`; this client's own handles end at once with "abort"."""
+        ids = list(request_ids)
+        with self._lock:
+            for rid in ids:
+                mb = self._mailboxes.get(rid)
+                if mb is not None:
+                    self._end_aborted_locked(mb)
+        self._send_aborts(engine_id, ids)
+
+    def call_utility(self, engine_id: str, method: str, args: Iterable[Any] = (), timeout: float = 10.0) -> Any:
+        """Run `method(*args)` on a live engine and return its result.
+
+        Raises UtilityError (the engine reported an error, or the call was cut off),
+        TimeoutError (no answer in `timeout` s), NoEngineAvailable (engine not live).
+        """
+        self.start()
+        self._check_pid()
+        self._await_subscription()
+        live = self._live_engines()
+        if engine_id not in live:
+            raise NoEngineAvailable(f"engine {engine_id} is not live")
+        self._note_incarnation(engine_id, live[engine_id].get("incarnation"))
+        call = UtilityCall(uuid.uuid4().hex, self.client_id, method, list(args))
+        answer: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            self._calls[call.call_id] = (engine_id, answer)
+        try:
+            self._xadd(engine_id, encode(call))
+            result: UtilityResult = answer.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"engine {engine_id} did not answer {method!r} within {timeout}s") from None
+        except redis.RedisError as e:
+            raise BrokerUnavailable(f"could not send {method!r} to engine {engine_id}: {e}") from e
+        finally:
+            with self._lock:
+                self._calls.pop(call.call_id, None)
+        if result.error is not None:
+            raise UtilityError(f"{method} on engine {engine_id}: {result.error}")
+        return result.result
+
+    def ready_engines(self) -> list[dict[str, Any]]:
+        """READY engines with a live heartbeat (cached up to `engine_refresh` s), e.g. for /health."""
+        self.start()
+        live = self._live_engines()
+        return [info for info in live.values() if info.get("state") == EngineState.READY]
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._mailboxes)
+
+    # ----------------------------------------------------------------- submit helpers
+
+    def _check_pid(self) -> None:
+        if self._pid is not None and self._pid != os.getpid():
+            raise RuntimeError(
+                f"this BrokerClient was started in another process (pid {self._pid}); "
+                "create one per process after fork"
+            )
+
+    def _live_engines(self) -> dict[str, dict[str, Any]]:
+        try:
+            return self.selector.live_engines()
+        except redis.RedisError as e:
+            raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
+
+    def _choose(self, engine_id: str | None) -> dict[str, Any]:
+        if engine_id is None:
+            try:
+                info = self.selector.select()
+            except redis.RedisError as e:
+                raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
+        else:
+            info = self._live_engines().get(engine_id)
+            if info is None or info.get("state") != EngineState.READY:
+                raise NoEngineAvailable(f"engine {engine_id} is not ready (not registered, not READY or no heartbeat)")
+        self._note_incarnation(info["engine_id"], info.get("incarnation"))
+        return info
+
+    def _await_subscription(self) -> None:
+        if not self._subscribed_event.wait(self._subscribe_timeout):
+            raise BrokerUnavailable(
+                f"not subscribed to {self.keys.output_channel(self.client_id)} after {self._subscribe_timeout}s: "
+                "is Redis reachable?"
+            )
+
+    def _register(self, mb: Mailbox) -> None:
+        while True:
+            self._await_subscription()
+            with self._lock:
+                if mb.request_id in self._mailboxes:
+                    raise ValueError(f"request id {mb.request_id!r} is already in flight")
+                if self._subscribed:
+                    self._mailboxes[mb.request_id] = mb
+                    self.selector.on_submit(mb.engine_id)
+                    return
+
+    def _xadd(self, engine_id: str, payload: bytes) -> None:
+        self._redis.xadd(
+            self.keys.request_stream(engine_id),
+            {STREAM_FIELD: payload},
+            maxlen=self._stream_maxlen,
+            approximate=True,
+        )
+
+    def _note_incarnation(self, engine_id: str, incarnation: str | None) -> None:
+        """A new incarnation restarts that engine's seq numbering (its old requests are failed by liveness)."""
+        if incarnation is None:
+            return
+        with self._lock:
+            if self._incarnations.get(engine_id) != incarnation:
+                self._incarnations[engine_id] = incarnation
+                self._last_seq.pop(engine_id, None)
+
+    def _fetch_engines(self):
+        return self._registry.live_engines(), read_lb_snapshot(self._redis, self.keys)
+
+    # ----------------------------------------------------------------- ending requests (hold self._lock)
+
+    def _finish_locked(self, mb: Mailbox) -> None:
+        if mb.done:
+            return
+        mb.done = True
+        if self._mailboxes.get(mb.request_id) is mb:
+            del self._mailboxes[mb.request_id]
+        self.selector.on_finish(mb.engine_id)
+
+    def _fail_locked(self, mb: Mailbox, code: ErrorCode, detail: str, abort: bool = True) -> None:
+        if mb.done:
+            return
+        error = make_error(code, detail)
+        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ERROR.value, error=error), True))
+        self._finish_locked(mb)
+        if abort:
+            self._pending_aborts.setdefault(mb.engine_id, set()).add(mb.request_id)
+
+    def _end_aborted_locked(self, mb: Mailbox) -> None:
+        if mb.done:
+            return
+        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ABORT.value), True))
+        self._finish_locked(mb)
+
+    def _fail_calls_locked(self, engine_id: str | None, detail: str) -> None:
+        for call_id, (owner, answer) in list(self._calls.items()):
+            if engine_id is None or owner == engine_id:
+                del self._calls[call_id]
+                answer.put(UtilityResult(call_id, None, make_error(ErrorCode.ENGINE_GONE, detail)))
+
+    def _abort_mailbox(self, mb: Mailbox) -> None:
+        with self._lock:
+            if mb.done:
+                return
+            self._end_aborted_locked(mb)
+        self._send_aborts(mb.engine_id, [mb.request_id])
+
+    def _expire(self, mb: Mailbox) -> None:
+        with self._lock:
+            self._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
+
+    def _send_aborts(self, engine_id: str, request_ids: list[str]) -> None:
+        try:
+            self._xadd(engine_id, encode(AbortRequests(request_ids, self.client_id)))
+        except redis.RedisError as e:
+            logger.info("client %s: ABORT to %s deferred (%s)", self.client_id, engine_id, e)
+            with self._lock:
+                self._pending_aborts.setdefault(engine_id, set()).update(request_ids)
+
+    # ----------------------------------------------------------------- listener thread
+
+    def _listen(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            pubsub_client = connect(self.redis_url, retries=0, client_name=f"redserve-listener-{self.client_id}")
+            pubsub = pubsub_client.pubsub()
+            try:
+                pubsub.subscribe(self.keys.output_channel(self.client_id))
+                while not self._stopping.is_set():
+                    msg = pubsub.get_message(timeout=0.2)
+                    if msg is None:
+                        continue
+                    if msg["type"] == "message":
+                        self._dispatch(msg["data"])
+                    elif msg["type"] == "subscribe":
+                        failures = 0
+                        self._set_subscribed(True)
+            except Exception as e:  # noqa: BLE001 - the listener must outlive any error
+                self._on_subscription_lost(e, failures)
+                failures += 1
+                self._stopping.wait(min(2.0, 0.05 * 2**failures))
+            finally:
+                self._set_subscribed(False)
+                pubsub.close()
+                pubsub_client.close()
+
+    def _set_subscribed(self, value: bool) -> None:
+        with self._lock:
+            self._subscribed = value
+            if value:
+                self._subscribed_event.set()
+            else:
+                self._subscribed_event.clear()
+
+    def _on_subscription_lost(self, error: Exception, failures: int) -> None:
+        if not isinstance(error, _OUTAGE):
+            logger.exception("client %s: listener error; resubscribing", self.client_id, exc_info=error)
+        elif failures == 0:
+            logger.warning("client %s: output subscription lost (%s); resubscribing", self.client_id, error)
+        with self._lock:
+            self._subscribed = False
+            self._subscribed_event.clear()
+            lost = list(self._mailboxes.values())
+            for mb in lost:
+                self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "lost the connection to Redis; output may be incomplete")
+            self._fail_calls_locked(None, "lost the connection to Redis")
+            self._last_seq.clear()
+        if lost:
+            logger.warning("client %s: failed %d request(s) in flight after losing Redis", self.client_id, len(lost))
+
+    def _dispatch(self, data: bytes) -> None:
+        try:
+            outs = decode(data, expect=EngineOutputs)
+        except MessageError as e:
+            logger.warning("client %s: dropping bad message on its output channel: %s", self.client_id, e)
+            return
+        engine_id = outs.engine_id
+        with self._lock:
+            last = self._last_seq.get(engine_id)
+            if last is not None and outs.seq <= last:
+                return  # a duplicate from a retried PUBLISH
+            self._last_seq[engine_id] = outs.seq
+            if last is not None and outs.seq > last + 1:
+                self._on_gap_locked(engine_id, outs.seq - last - 1)
+            for out in outs.outputs:
+                mb = self._mailboxes.get(out.request_id)
+                if mb is not None and mb.engine_id == engine_id:
+                    self._deliver_locked(mb, out)
+            for result in outs.utility_results:
+                call = self._calls.pop(result.call_id, None)
+                if call is not None:
+                    call[1].put(result)
+
+    def _on_gap_locked(self, engine_id: str, missing: int) -> None:
+        victims = [mb for mb in self._mailboxes.values() if mb.engine_id == engine_id]
+        logger.warning(
+            "client %s: %d message(s) from engine %s were lost; failing its %d request(s)",
+            self.client_id, missing, engine_id, len(victims),
+        )  # fmt: skip
+        for mb in victims:
+            self._fail_locked(mb, ErrorCode.OUTPUT_LOST, f"{missing} output message(s) from engine {engine_id} were lost")
+        self._fail_calls_locked(engine_id, f"output message(s) from engine {engine_id} were lost")
+
+    def _deliver_locked(self, mb: Mailbox, out: RequestOutput) -> None:
+        mb.got_output = True
+        if out.finish_reason is not None:
+            mb.finished_indices.add(out.index)
+        last = out.error is not None or len(mb.finished_indices) >= mb.n
+        mb.outputs.put((out, last))
+        if last:
+            self._finish_locked(mb)
+
+    # ----------------------------------------------------------------- maintenance thread
+
+    def _maintain(self) -> None:
+        next_heartbeat = 0.0
+        next_liveness = time.monotonic() + self._liveness_interval
+        while not self._stopping.wait(_TICK):
+            try:
+                self._expire_deadlines()
+                if not self._subscribed:
+                    continue  # Redis is down: the listener is reconnecting; only deadlines matter now
+                now = time.monotonic()
+                if now >= next_heartbeat:
+                    self._heartbeat()
+                    next_heartbeat = now + self._heartbeat_ttl / 3
+                if now >= next_liveness:
+                    self._check_engines()
+                    next_liveness = time.monotonic() + self._liveness_interval
+                self._flush_aborts()
+            except Exception:  # noqa: BLE001 - deadlines must keep being enforced
+                logger.exception("client %s: maintenance step failed", self.client_id)
+
+    def _heartbeat(self) -> None:
+        try:
+            p = self._redis.pipeline(transaction=False)
+            p.set(self.keys.client_alive(self.client_id), f"{socket.gethostname()} {os.getpid()}", px=int(self._heartbeat_ttl * 1000))
+            p.sadd(self.keys.clients(), self.client_id)
+            p.execute()
+        except redis.RedisError as e:
+            logger.warning("client %s: heartbeat failed: %s", self.client_id, e)
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        with self._lock:
+            expired = [mb for mb in self._mailboxes.values() if mb.deadline is not None and mb.deadline <= now]
+            for mb in expired:
+                self._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
+
+    def _check_engines(self) -> None:
+        """Re-place or fail requests whose engine is no longer live (or restarted)."""
+        try:
+            live = self.selector.refresh()
+        except redis.RedisError as e:
+            logger.debug("client %s: engine liveness check skipped: %s", self.client_id, e)
+            return
+        replace: list[Mailbox] = []
+        with self._lock:
+            for engine_id, incarnation in list(self._incarnations.items()):
+                if live.get(engine_id, {}).get("incarnation") != incarnation:
+                    del self._incarnations[engine_id]
+                    self._last_seq.pop(engine_id, None)
+                    self._fail_calls_locked(engine_id, f"engine {engine_id} is gone")
+            for mb in list(self._mailboxes.values()):
+                if mb.engine_id in live and live[mb.engine_id].get("incarnation") == mb.incarnation:
+                    continue
+                if not mb.got_output and mb.resubmits < self._resubmit_limit:
+                    replace.append(mb)
+                else:
+                    self._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone", abort=False)
+        for mb in replace:
+            self._replace(mb)
+
+    def _replace(self, mb: Mailbox) -> None:
+        old = mb.engine_id
+        try:
+            info = self.selector.select(exclude=[old])
+        except NoEngineAvailable:
+            with self._lock:
+                self._fail_locked(mb, ErrorCode.NO_ENGINE, f"engine {old} is gone and no other engine is ready", abort=False)
+            return
+        self._note_incarnation(info["engine_id"], info.get("incarnation"))
+        with self._lock:
+            if mb.done:
+                return
+            self.selector.on_finish(old)
+            mb.engine_id, mb.incarnation = info["engine_id"], info.get("incarnation")
+            mb.resubmits += 1
+            self.selector.on_submit(mb.engine_id)
+        logger.info("client %s: engine %s is gone; re-placed request %s on %s", self.client_id, old, mb.request_id, mb.engine_id)
+        try:
+            self._xadd(mb.engine_id, encode(mb.add))
+        except redis.RedisError as e:
+            with self._lock:
+                self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, f"could not re-place the request: {e}", abort=False)
+            return
+        if old in self.selector.live_engines(max_age=float("inf")):
+            self._send_aborts(old, [mb.request_id])  # it restarted or came back: do not run it twice
+
+    def _flush_aborts(self) -> None:
+        with self._lock:
+            if not self._pending_aborts:
+                return
+            pending, self._pending_aborts = self._pending_aborts, {}
+        try:
+            live = self.selector.live_engines(max_age=self._liveness_interval)
+        except redis.RedisError:
+            with self._lock:
+                for engine_id, ids in pending.items():
+                    self._pending_aborts.setdefault(engine_id, set()).update(ids)
+            return
+        for engine_id, ids in pending.items():
+            if engine_id in live:
+                self._send_aborts(engine_id, sorted(ids))

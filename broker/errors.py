@@ -1,0 +1,34 @@
+"""Exceptions raised by the broker package.
+
+Every error a caller is expected to handle derives from `BrokerError`, so the API layer can map
+the whole family to HTTP responses in one place:
+
+- `MessageError`: bytes from Redis that are not a message we understand (garbage, unknown type tag,
+  unsupported version, wrong field types). Receivers catch it, log it and drop the message.
+- `NoEngineAvailable`: no engine is READY with a live heartbeat. API: 503 with Retry-After.
+- `BrokerUnavailable`: Redis cannot be reached (after the connection's own retries) or the client's
+  output subscription is not up. API: 503 with Retry-After.
+- `UtilityError`: an engine ran a utility call and reported an error.
+"""
+
+from __future__ import annotations
+
+
+class BrokerError(Exception):
+    """Base class of every error raised on purpose by `broker`."""
+
+
+class MessageError(BrokerError, ValueError):
+    """Bytes read from Redis are not a valid message (garbage, unknown type or version, bad fields)."""
+
+
+class NoEngineAvailable(BrokerError):
+    """No engine is READY with a live heartbeat, so a request cannot be placed."""
+
+
+class BrokerUnavailable(BrokerError, ConnectionError):
+    """Redis is unreachable, or this process is not subscribed to its output channel yet."""
+
+
+class UtilityError(BrokerError):
+    """An engine reported an error while running a utility call."""

@@ -1,0 +1,252 @@
+"""Engine registration, state and heartbeats in Redis (the `rs:engine:*` keys and `rs:engines`).
+
+Rules:
+- An engine calls `register` (state=starting, fresh `incarnation`), starts heartbeating
+  (`EngineHeartbeat` or `heartbeat()` every ttl/3), loads the model, then `mark_ready`. It leaves
+  with `set_state(DRAINING)`, finishing its requests, then stopping the heartbeat and `deregister`.
+- The heartbeat key `rs:engine:{id}:alive` holds the engine's incarnation with a TTL. An engine is
+  *live* when that key exists and equals the `incarnation` in its hash: a restarted engine with the
+  same id gets a new incarnation, so clients can tell that the old one (and its requests) is gone.
+- Clients route new requests only to READY live engines (`ready_engines`); requests in flight
+  stay valid while their engine is READY or DRAINING and live (`live_engines`).
+- `heartbeat()` restores the hash and the set entry if they vanished (Redis restarted empty),
+  from what this registry object last wrote; stats come back with the next `update_stats`.
+- Hash values are plain strings so they read well in `redis-cli`; reading them back turns
+  numeric-looking values into int/float, except the fields in `STR_FIELDS`.
+- Methods that write take an optional pipeline (`pipe`); without one they run immediately.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import redis
+from redis.client import Pipeline
+
+from broker.keys import EngineState, RedisKeys
+
+logger = logging.getLogger(__name__)
+
+STR_FIELDS = frozenset({"engine_id", "host", "model", "state", "incarnation"})
+
+
+def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
+    """Hash field values as redis-cli friendly strings (None is skipped; dict/list/bool as JSON)."""
+    out = {}
+    for k, v in values.items():
+        if v is None:
+            continue
+        if isinstance(v, (dict, list, tuple, bool)):
+            out[k] = json.dumps(v)
+        elif isinstance(v, float):
+            out[k] = repr(v)
+        else:
+            out[k] = str(v)
+    return out
+
+
+def _parse(name: str, raw: bytes) -> Any:
+    text = raw.decode("utf-8", "replace")
+    if name in STR_FIELDS:
+        return text
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def decode_fields(raw: Mapping[bytes, bytes]) -> dict[str, Any]:
+    """Inverse of `encode_fields` for a HGETALL reply (JSON values stay strings)."""
+    return {k.decode("utf-8", "replace"): _parse(k.decode("utf-8", "replace"), v) for k, v in raw.items()}
+
+
+class EngineRegistry:
+    """Reads and writes engine registrations; see the module docstring for the rules."""
+
+    def __init__(self, redis_client: redis.Redis, keys: RedisKeys | None = None) -> None:
+        self._redis = redis_client
+        self.keys = keys or RedisKeys()
+        self._records: dict[str, dict[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, engine_id: str, info: Mapping[str, Any], pipe: Pipeline | None = None) -> str:
+        """Write a fresh hash (state=starting, started_at, incarnation, host, pid + `info`); return incarnation.
+
+        `info` should carry dp_rank, tp and model; host and pid default to this process.
+        """
+        incarnation = uuid.uuid4().hex
+        record = encode_fields(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                **info,
+                "engine_id": engine_id,
+                "state": EngineState.STARTING.value,
+                "started_at": time.time(),
+                "incarnation": incarnation,
+            }
+        )
+        with self._lock:
+            self._records[engine_id] = dict(record)
+        p = pipe if pipe is not None else self._redis.pipeline(transaction=True)
+        p.delete(self.keys.engine(engine_id))
+        p.hset(self.keys.engine(engine_id), mapping=record)
+        p.sadd(self.keys.engines(), engine_id)
+        if pipe is None:
+            p.execute()
+        return incarnation
+
+    def mark_ready(
+        self,
+        engine_id: str,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        pipe: Pipeline | None = None,
+    ) -> None:
+        """Publish the KV cache size and switch to state=ready: clients may now route to it."""
+        self._write(
+            engine_id,
+            {
+                "num_kv_blocks": num_kv_blocks,
+                "block_size": block_size,
+                "max_model_len": max_model_len,
+                "state": EngineState.READY.value,
+                "ready_at": time.time(),
+            },
+            pipe,
+        )
+
+    def set_state(self, engine_id: str, state: EngineState, pipe: Pipeline | None = None) -> None:
+        self._write(engine_id, {"state": EngineState(state).value}, pipe)
+
+    def update_stats(self, engine_id: str, stats: Mapping[str, Any], pipe: Pipeline | None = None) -> None:
+        """Live counters (waiting, running, kv_usage, num_steps, ...) into the hash; not kept for restore."""
+        if not stats:
+            return
+        p = pipe if pipe is not None else self._redis
+        p.hset(self.keys.engine(engine_id), mapping=encode_fields(stats))
+
+    def heartbeat(self, engine_id: str, ttl: float) -> bool:
+        """Refresh the alive key (TTL `ttl` seconds); return True if the registration had to be restored."""
+        with self._lock:
+            record = self._records.get(engine_id)
+        incarnation = record["incarnation"] if record else "unknown"
+        p = self._redis.pipeline(transaction=False)
+        p.set(self.keys.engine_alive(engine_id), incarnation, px=max(1, int(ttl * 1000)))
+        p.sadd(self.keys.engines(), engine_id)
+        p.exists(self.keys.engine(engine_id))
+        exists = p.execute()[2]
+        if exists or record is None:
+            return False
+        logger.warning("engine %s: registration missing from Redis (restarted?), restoring it", engine_id)
+        self._redis.hset(self.keys.engine(engine_id), mapping=record)
+        return True
+
+    def deregister(self, engine_id: str, pipe: Pipeline | None = None) -> None:
+        """Remove the hash, heartbeat, set entry and request stream. Stop heartbeating first."""
+        with self._lock:
+            self._records.pop(engine_id, None)
+        p = pipe if pipe is not None else self._redis.pipeline(transaction=True)
+        p.delete(self.keys.engine(engine_id), self.keys.engine_alive(engine_id), self.keys.request_stream(engine_id))
+        p.srem(self.keys.engines(), engine_id)
+        if pipe is None:
+            p.execute()
+
+    def get(self, engine_id: str) -> dict[str, Any] | None:
+        """The engine's hash (decoded), with `alive` (bool) added; None if not registered."""
+        found = self._read([engine_id])
+        return found[0] if found else None
+
+    def all_engines(self) -> list[dict[str, Any]]:
+        """Every registered engine (any state, alive or not), each with `alive` added, sorted by id."""
+        ids = sorted(m.decode() for m in self._redis.smembers(self.keys.engines()))
+        return self._read(ids)
+
+    def live_engines(self, states: Iterable[EngineState] = (EngineState.READY, EngineState.DRAINING)) -> list[dict[str, Any]]:
+        """Engines in one of `states` whose heartbeat is live (matches their incarnation)."""
+        wanted = {EngineState(s).value for s in states}
+        return [e for e in self.all_engines() if e["alive"] and e.get("state") in wanted]
+
+    def ready_engines(self) -> list[dict[str, Any]]:
+        """READY engines with a live heartbeat: where clients may send new requests."""
+        return self.live_engines((EngineState.READY,))
+
+    def _write(self, engine_id: str, values: Mapping[str, Any], pipe: Pipeline | None) -> None:
+        fields = encode_fields(values)
+        with self._lock:
+            if engine_id in self._records:
+                self._records[engine_id].update(fields)
+        p = pipe if pipe is not None else self._redis
+        p.hset(self.keys.engine(engine_id), mapping=fields)
+
+    def _read(self, ids: list[str]) -> list[dict[str, Any]]:
+        if not ids:
+            return []
+        p = self._redis.pipeline(transaction=False)
+        for engine_id in ids:
+            p.hgetall(self.keys.engine(engine_id))
+            p.get(self.keys.engine_alive(engine_id))
+        replies = p.execute()
+        engines = []
+        for engine_id, raw, alive in zip(ids, replies[0::2], replies[1::2], strict=True):
+            if not raw:
+                continue
+            info = decode_fields(raw)
+            info["engine_id"] = engine_id
+            info["alive"] = alive is not None and alive.decode() == info.get("incarnation")
+            engines.append(info)
+        return engines
+
+
+class EngineHeartbeat:
+    """Daemon thread calling `registry.heartbeat(engine_id, ttl)` every `interval` (default ttl/3).
+
+    Redis errors are logged and retried at the next beat; they never stop the thread.
+    """
+
+    def __init__(self, registry: EngineRegistry, engine_id: str, ttl: float = 10.0, interval: float | None = None) -> None:
+        self._registry = registry
+        self._engine_id = engine_id
+        self._ttl = ttl
+        self._interval = interval if interval is not None else ttl / 3
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def start(self) -> EngineHeartbeat:
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{self._engine_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._beat()
+
+    def _beat(self) -> None:
+        try:
+            self._registry.heartbeat(self._engine_id, self._ttl)
+        except redis.RedisError as e:
+            (logger.debug if self._failing else logger.warning)("engine %s: heartbeat failed: %s", self._engine_id, e)
+            self._failing = True
+            return
+        if self._failing:
+            logger.info("engine %s: heartbeat works again", self._engine_id)
+            self._failing = False

@@ -1,0 +1,116 @@
+"""Per-request mailbox and the handle a caller reads outputs from (the client side of one request).
+
+The mailbox is filled by `BrokerClient` (its listener, deadline and liveness checks); the handle is
+read by exactly one caller thread (the Flask request thread or the Celery task). Every queue item
+is (output, last): `last` is decided once, by the client, so the handle never guesses whether a
+request is over.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from broker.messages import AddRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from broker.client import BrokerClient
+
+
+@dataclass(eq=False)
+class Mailbox:
+    """State of one request in flight; mutated only under the client's lock."""
+
+    add: AddRequest
+    engine_id: str
+    incarnation: str | None
+    n: int
+    outputs: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    finished_indices: set[int] = field(default_factory=set)
+    got_output: bool = False
+    done: bool = False
+    resubmits: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.add.request_id
+
+    @property
+    def deadline(self) -> float | None:
+        return self.add.deadline
+
+
+class RequestHandle:
+    """A submitted request: read its outputs with `get()` or by iterating; `close()` when done.
+
+    - `get(timeout)` returns the next `RequestOutput`, or None on timeout or once the request has
+      ended and every output was read. The last output of a request has a `finish_reason` (for
+      each index when n > 1) or an `error`; errors made by the client itself (deadline, engine
+      gone, broker disconnected) arrive the same way, as an output with finish_reason "error".
+    - Iterating yields outputs until the request ends (blocking; bounded by the deadline if any).
+    - `abort()` tells the owning engine to stop and ends the request here at once (a final output
+      with finish_reason "abort"); idempotent. `close()` aborts if still running and forgets the
+      request: call it in a `finally` (or use the handle as a context manager).
+    - `engine_id` can change if the request is re-placed because its engine died before answering.
+    """
+
+    def __init__(self, client: BrokerClient, mailbox: Mailbox) -> None:
+        self._client = client
+        self._mb = mailbox
+        self._ended = False
+
+    @property
+    def request_id(self) -> str:
+        return self._mb.request_id
+
+    @property
+    def engine_id(self) -> str:
+        return self._mb.engine_id
+
+    @property
+    def finished(self) -> bool:
+        """True once the last output has been read."""
+        return self._ended
+
+    def get(self, timeout: float | None = None) -> RequestOutput | None:
+        if self._ended:
+            return None
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if end is None else max(0.0, end - time.monotonic())
+            deadline = self._mb.deadline
+            if deadline is not None:
+                until_deadline = deadline - time.time()
+                if until_deadline <= 0:
+                    self._client._expire(self._mb)
+                    until_deadline = 0.0
+                wait = until_deadline if wait is None else min(wait, until_deadline)
+            try:
+                output, last = self._mb.outputs.get(timeout=wait)
+            except queue.Empty:
+                if end is not None and time.monotonic() >= end:
+                    return None
+                continue  # the deadline passed: loop to expire the request and read its error
+            if last:
+                self._ended = True
+            return output
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while (output := self.get()) is not None:
+            yield output
+
+    def abort(self) -> None:
+        self._client._abort_mailbox(self._mb)
+
+    def close(self) -> None:
+        if not self._mb.done:
+            self.abort()
+
+    def __enter__(self) -> RequestHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,93 @@
+"""A tensor-parallel worker process: one rank of an engine's model.
+
+Startup: join the TP group (gloo on CPU, NCCL on CUDA), build the model runner (loading only this
+rank's shards), attach to the engine's broadcast queue as reader ``rank`` and to its own response
+queue as writer, then report READY over the ready pipe. Then loop: dequeue one call, run it, reply
+when asked. The death pipe's EOF means the engine is gone: the worker exits at once.
+Any error while running a step is fatal to the worker (the engine's monitor sees it exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.step_types import runner_output_to_wire, scheduler_output_from_wire
+from redserve.proctitle import set_title
+from worker.model_runner import ModelRunner
+from worker.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from worker.shm_queue import MessageQueue, QueueClosed, QueueHandle
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+
+
+def _watch_parent(death_reader: Connection) -> None:
+    try:
+        death_reader.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)
+
+
+def worker_main(config: dict[str, Any], rank: int, title: str, init_method: str, broadcast: QueueHandle,
+                response: QueueHandle, ready_writer: Connection, death_reader: Connection) -> None:
+    """Entry point of the spawned process."""
+    set_title(title)
+    logging.basicConfig(level=os.environ.get("REDSERVE_LOG_LEVEL", "INFO").upper(),
+                        format=f"%(asctime)s %(levelname)s {title}[%(process)d]: %(message)s")
+    threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True, name="death-pipe").start()
+    try:
+        engine_config = EngineConfig(**config)
+        device = torch.device(engine_config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)
+            engine_config.device = f"cuda:{rank}"
+            device = torch.device(engine_config.device)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_config.tensor_parallel_size))
+        init_tensor_parallel(rank, engine_config.tensor_parallel_size, init_method, device)
+        runner = ModelRunner(engine_config)
+        inbox = MessageQueue.attach(broadcast, rank)
+        outbox = MessageQueue.attach_writer(response)
+    except Exception as exc:
+        ready_writer.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                           "traceback": traceback.format_exc()})
+        return
+    ready_writer.send({"status": "ready"})
+    ready_writer.close()
+    try:
+        _serve(runner, inbox, outbox, rank)
+    finally:
+        inbox.close()
+        outbox.close()
+        destroy_tensor_parallel()
+
+
+def _serve(runner: ModelRunner, inbox: MessageQueue, outbox: MessageQueue, rank: int) -> None:
+    while True:
+        try:
+            method, args, reply_rank = inbox.dequeue()
+        except QueueClosed:
+            return
+        if method == SHUTDOWN:
+            return
+        if method == "execute_model":
+            result = runner_output_to_wire(runner.execute_model(scheduler_output_from_wire(args[0])))
+            if reply_rank == rank:
+                outbox.enqueue(["ok", result])
+            continue
+        try:
+            result = ["ok", getattr(runner, method)(*args)]
+        except Exception as exc:
+            result = ["error", f"{type(exc).__name__}: {exc}"]
+        if reply_rank is None or reply_rank == rank:
+            outbox.enqueue(result)
