@@ -10,6 +10,7 @@ and later calls raise ``WorkerDied`` at once and the engine fails its requests a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -164,10 +165,8 @@ class MultiprocExecutor:
             return
         self._closed = True
         if not self.failure:
-            try:
+            with contextlib.suppress(QueueClosed, TimeoutError):
                 self.broadcast.enqueue([SHUTDOWN, [], None], timeout=2)
-            except (QueueClosed, TimeoutError):
-                pass
         for conn in self._death_writers:
             conn.close()
         deadline = time.monotonic() + 5

@@ -9,6 +9,7 @@ Any error while running a step is fatal to the worker (the engine's monitor sees
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,10 +32,8 @@ SHUTDOWN = "shutdown"
 
 
 def _watch_parent(death_reader: Connection) -> None:
-    try:
+    with contextlib.suppress(EOFError, OSError):
         death_reader.recv()
-    except (EOFError, OSError):
-        pass
     os._exit(1)
 
 
