@@ -8,6 +8,7 @@ and the others start once its full blocks are in the prefix cache, so they share
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from worker.executor import Executor, make_executor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,8 +54,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         self.config = config
         self.executor = executor or make_executor(config)
-        self.max_model_len = self.executor.max_model_len
         self.num_kv_blocks = self.executor.num_kv_blocks
+        self.max_model_len = self._usable_model_len(self.executor.max_model_len)
         self.vocab_size = self.executor.vocab_size
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -64,6 +67,17 @@ class EngineCore:
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
+
+    def _usable_model_len(self, model_len: int) -> int:
+        """The longest sequence this engine can always finish: one that fits the whole KV pool and,
+        without chunked prefill, one step's token budget (a longer one could never be scheduled)."""
+        limits = {"the model": model_len, "the KV cache": self.num_kv_blocks * self.config.block_size}
+        if not self.config.enable_chunked_prefill:
+            limits["max_num_batched_tokens (chunked prefill is off)"] = self.config.max_num_batched_tokens
+        source, usable = min(limits.items(), key=lambda item: item[1])
+        if usable < model_len:
+            logger.warning("max_model_len lowered from %d to %d to fit %s", model_len, usable, source)
+        return usable
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:

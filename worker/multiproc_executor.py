@@ -152,6 +152,9 @@ class MultiprocExecutor:
                 raise WorkerDied(self.failure)
             try:
                 return self.responses[rank].dequeue(timeout=0.5)
+            except QueueClosed:
+                time.sleep(0.2)
+                raise WorkerDied(self.failure or f"TP rank {rank} stopped answering") from None
             except TimeoutError:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"TP rank {rank} did not reply within {timeout}s") from None

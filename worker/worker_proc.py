@@ -31,9 +31,13 @@ logger = logging.getLogger(__name__)
 SHUTDOWN = "shutdown"
 
 
-def _watch_parent(death_reader: Connection) -> None:
+def _watch_parent(death_reader: Connection, segments: list[str]) -> None:
+    """Exit when the engine is gone; unlink its queues' segments in case it died without cleanup."""
     with contextlib.suppress(EOFError, OSError):
         death_reader.recv()
+    for name in segments:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join("/dev/shm", name))
     os._exit(1)
 
 
@@ -43,7 +47,8 @@ def worker_main(config: dict[str, Any], rank: int, title: str, init_method: str,
     set_title(title)
     logging.basicConfig(level=os.environ.get("REDSERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {title}[%(process)d]: %(message)s")
-    threading.Thread(target=_watch_parent, args=(death_reader,), daemon=True, name="death-pipe").start()
+    threading.Thread(target=_watch_parent, args=(death_reader, [broadcast.name, response.name]), daemon=True,
+                     name="death-pipe").start()
     try:
         engine_config = EngineConfig(**config)
         device = torch.device(engine_config.device)

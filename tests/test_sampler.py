@@ -1,0 +1,301 @@
+"""Sampler tests: seeds, greedy equivalences, temperature, top-k/top-p/min-p, penalties (vLLM semantics),
+min_tokens masking and logprobs, on worker.sampler directly plus seeded sampling through the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from worker.sampler import Sampler, SamplingBatch, apply_penalties
+
+VOCAB = 64
+
+
+def make_batch(rows: int, **fields) -> SamplingBatch:
+    values = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None, num_logprobs=None,
+                  repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    values.update(fields)
+    per_row = {k: (v if isinstance(v, list) else [v] * rows) for k, v in values.items()}
+    prompt = fields.get("prompt_token_ids", [[] for _ in range(rows)])
+    output = fields.get("output_token_ids", [[] for _ in range(rows)])
+    stop = fields.get("stop_token_masks", [[] for _ in range(rows)])
+    for key in ("prompt_token_ids", "output_token_ids", "stop_token_masks"):
+        per_row.pop(key, None)
+    return SamplingBatch(**per_row, prompt_token_ids=prompt, output_token_ids=output, stop_token_masks=stop)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_logits(rows: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=seeded(seed)) * scale
+
+
+@pytest.fixture
+def sampler() -> Sampler:
+    return Sampler(torch.device("cpu"))
+
+
+def tokens(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+    return [t.token_id for t in sampler(logits, batch)]
+
+
+def sample_many(sampler: Sampler, row: torch.Tensor, n: int, seed: int = 0, **fields) -> torch.Tensor:
+    """n independent draws from one row of logits (one batch of n identical rows, one generator)."""
+    sampler.default_generator.manual_seed(seed)
+    return torch.tensor(tokens(sampler, row.expand(n, -1).clone(), make_batch(n, **fields)))
+
+
+def entropy(samples: torch.Tensor) -> float:
+    p = torch.bincount(samples, minlength=VOCAB).float() / samples.numel()
+    p = p[p > 0]
+    return float(-(p * p.log()).sum())
+
+
+def test_same_seed_same_tokens_different_seed_differs(sampler: Sampler) -> None:
+    logits = random_logits(4)
+    first = tokens(sampler, logits, make_batch(4, generators=[seeded(s) for s in (1, 2, 3, 4)]))
+    again = tokens(sampler, logits, make_batch(4, generators=[seeded(s) for s in (1, 2, 3, 4)]))
+    assert first == again
+    runs = []
+    for s in range(8):
+        generators = [seeded(100 + s), seeded(2), seeded(3), seeded(4)]
+        runs.append(tuple(tokens(sampler, logits, make_batch(4, generators=generators))))
+    assert len({r[0] for r in runs}) > 1  # row 0's seed changes -> its token changes for some seed
+    assert {r[1:] for r in runs} == {tuple(first[1:])}  # other rows untouched by row 0's seed
+
+
+def test_seeded_row_independent_of_batch(sampler: Sampler) -> None:
+    logits = random_logits(3, seed=5)
+    gen = seeded(7)
+    sequence_alone = [tokens(sampler, logits[1:2], make_batch(1, generators=[gen]))[0] for _ in range(5)]
+    gen = seeded(7)
+    sequence_batched = [tokens(sampler, logits, make_batch(3, generators=[None, gen, seeded(99 + i)]))[1]
+                        for i in range(5)]
+    assert sequence_alone == sequence_batched
+    assert len(set(sequence_alone)) > 1
+
+
+def test_greedy_is_argmax(sampler: Sampler) -> None:
+    logits = random_logits(5, seed=1)
+    out = tokens(sampler, logits, make_batch(5, temperature=0.0))
+    assert out == logits.argmax(-1).tolist()
+
+
+def test_top_k_1_equals_greedy(sampler: Sampler) -> None:
+    logits = random_logits(6, seed=2, scale=0.3)  # flat enough that plain sampling would wander
+    for seed in range(5):
+        sampler.default_generator.manual_seed(seed)
+        assert tokens(sampler, logits, make_batch(6, top_k=1)) == logits.argmax(-1).tolist()
+
+
+def test_temperature_to_zero_equals_greedy(sampler: Sampler) -> None:
+    logits = random_logits(6, seed=3)
+    greedy = logits.argmax(-1).tolist()
+    assert tokens(sampler, logits, make_batch(6, temperature=1e-6)) == greedy  # below the greedy epsilon
+    for seed in range(5):  # a tiny positive temperature samples, but effectively greedily
+        sampler.default_generator.manual_seed(seed)
+        assert tokens(sampler, logits, make_batch(6, temperature=1e-3)) == greedy
+
+
+def test_mixed_greedy_and_random_rows(sampler: Sampler) -> None:
+    logits = random_logits(4, seed=4, scale=0.2)
+    greedy = logits.argmax(-1).tolist()
+    seen_non_greedy = False
+    for seed in range(10):
+        sampler.default_generator.manual_seed(seed)
+        out = tokens(sampler, logits, make_batch(4, temperature=[0.0, 1.0, 0.0, 1.0]))
+        assert out[0] == greedy[0] and out[2] == greedy[2]
+        seen_non_greedy |= out[1] != greedy[1] or out[3] != greedy[3]
+    assert seen_non_greedy
+
+
+def test_high_temperature_increases_entropy(sampler: Sampler) -> None:
+    row = random_logits(1, seed=6, scale=2.0)
+    cold = entropy(sample_many(sampler, row, 4000, temperature=0.5))
+    warm = entropy(sample_many(sampler, row, 4000, temperature=1.0))
+    hot = entropy(sample_many(sampler, row, 4000, temperature=3.0))
+    assert cold < warm < hot
+    assert hot > 0.8 * math.log(VOCAB)
+
+
+def test_sampling_follows_the_distribution(sampler: Sampler) -> None:
+    row = torch.full((1, VOCAB), -1e9)
+    row[0, :3] = torch.tensor([0.5, 0.3, 0.2]).log()
+    counts = torch.bincount(sample_many(sampler, row, 6000), minlength=VOCAB).float() / 6000
+    assert counts[:3].tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+    assert counts[3:].sum() == 0
+
+
+def test_top_p_small_keeps_only_the_top_token(sampler: Sampler) -> None:
+    row = random_logits(1, seed=7, scale=0.2)
+    samples = sample_many(sampler, row, 500, top_p=0.01)
+    assert set(samples.tolist()) == {int(row.argmax())}
+
+
+def test_top_p_keeps_the_nucleus(sampler: Sampler) -> None:
+    row = torch.full((1, VOCAB), -1e9)
+    row[0, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    samples = sample_many(sampler, row, 3000, top_p=0.65)  # 0.4 + 0.3 covers 0.65
+    assert set(samples.tolist()) == {0, 1}
+    counts = torch.bincount(samples, minlength=2).float() / 3000
+    assert counts[0] == pytest.approx(0.4 / 0.7, abs=0.04)
+
+
+def test_top_k_keeps_k_tokens(sampler: Sampler) -> None:
+    row = random_logits(1, seed=8, scale=0.1)
+    samples = sample_many(sampler, row, 2000, top_k=3)
+    assert set(samples.tolist()) == set(row[0].topk(3).indices.tolist())
+
+
+def test_min_p_filters_unlikely_tokens(sampler: Sampler) -> None:
+    row = torch.full((1, VOCAB), -1e9)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    row[0, :5] = probs.log()
+    samples = sample_many(sampler, row, 3000, min_p=0.2)  # threshold 0.08: drops tokens 3 and 4
+    assert set(samples.tolist()) == {0, 1, 2}
+    samples = sample_many(sampler, row, 3000, min_p=0.0)
+    assert {3, 4} <= set(samples.tolist())
+
+
+def _penalized(logits: torch.Tensor, prompt: list[int], output: list[int], **fields) -> torch.Tensor:
+    return apply_penalties(logits.clone(), make_batch(1, prompt_token_ids=[prompt], output_token_ids=[output],
+                                                      **fields))
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    logits = torch.tensor([[2.0, -2.0, 3.0, -1.0, 4.0, 1.0] + [0.5] * (VOCAB - 6)])
+    out = _penalized(logits, prompt=[0, 1], output=[2, 3, 3], repetition_penalty=2.0)
+    expected = logits.clone()
+    expected[0, 0] = 1.0  # prompt token, positive: divided
+    expected[0, 1] = -4.0  # prompt token, negative: multiplied
+    expected[0, 2] = 1.5  # output token
+    expected[0, 3] = -2.0
+    torch.testing.assert_close(out, expected)
+
+
+def test_frequency_penalty_scales_with_output_count() -> None:
+    logits = random_logits(1, seed=9)
+    out = _penalized(logits, prompt=[5, 6], output=[1, 2, 2, 2], frequency_penalty=0.5)
+    expected = logits.clone()
+    expected[0, 1] -= 0.5
+    expected[0, 2] -= 1.5
+    torch.testing.assert_close(out, expected)  # prompt tokens 5, 6 untouched
+
+
+def test_presence_penalty_once_per_present_output_token() -> None:
+    logits = random_logits(1, seed=10)
+    out = _penalized(logits, prompt=[5], output=[1, 2, 2, 2], presence_penalty=0.7)
+    expected = logits.clone()
+    expected[0, 1] -= 0.7
+    expected[0, 2] -= 0.7
+    torch.testing.assert_close(out, expected)
+
+
+def test_penalties_combined_and_negative() -> None:
+    logits = torch.tensor([[1.0, -1.0, 2.0] + [0.0] * (VOCAB - 3)])
+    out = _penalized(logits, prompt=[0], output=[1, 1, 2], repetition_penalty=1.5, frequency_penalty=-0.5,
+                     presence_penalty=0.25)
+    expected = logits.clone()
+    expected[0, 0] = 1.0 / 1.5
+    expected[0, 1] = -1.0 * 1.5 + 1.0 - 0.25
+    expected[0, 2] = 2.0 / 1.5 + 0.5 - 0.25
+    torch.testing.assert_close(out, expected)
+
+
+def test_penalties_per_row(sampler: Sampler) -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 3] = 1.0
+    logits[:, 4] = 0.9
+    batch = make_batch(2, temperature=0.0, presence_penalty=[1.0, 0.0], prompt_token_ids=[[], []],
+                       output_token_ids=[[3], [3]])
+    assert tokens(sampler, logits, batch) == [4, 3]
+
+
+def test_min_tokens_mask(sampler: Sampler) -> None:
+    logits = random_logits(2, seed=11)
+    top2 = logits[0].topk(2).indices.tolist()
+    batch = make_batch(2, temperature=0.0, stop_token_masks=[[top2[0]], []])
+    assert tokens(sampler, logits, batch) == [top2[1], int(logits[1].argmax())]
+
+
+def test_logprobs_sampled_rank_and_top_n(sampler: Sampler) -> None:
+    logits = random_logits(3, seed=12, scale=2.0)
+    reference = torch.log_softmax(logits, dim=-1)
+    sampler.default_generator.manual_seed(3)
+    out = sampler(logits, make_batch(3, temperature=[0.0, 1.0, 5.0], num_logprobs=[5, 3, 0],
+                                     presence_penalty=[0.0, 0.0, 0.0]))
+    for row, tok in enumerate(out):
+        sampled_lp, rank, top_ids, top_lps = tok.logprobs
+        assert sampled_lp == pytest.approx(float(reference[row, tok.token_id]), abs=1e-5)
+        assert rank == int((reference[row] > reference[row, tok.token_id]).sum()) + 1
+        n = [5, 3, 0][row]
+        assert len(top_ids) == len(top_lps) == n
+        assert top_ids == reference[row].topk(n).indices.tolist()
+        assert top_lps == sorted(top_lps, reverse=True)
+        assert top_lps == pytest.approx(reference[row, top_ids].tolist(), abs=1e-5)
+    assert out[0].logprobs[1] == 1  # greedy samples the top token
+
+
+def test_logprobs_are_of_raw_logits_not_processed_ones(sampler: Sampler) -> None:
+    logits = random_logits(1, seed=13)
+    top = int(logits.argmax())
+    out = sampler(logits, make_batch(1, temperature=0.0, num_logprobs=2, stop_token_masks=[[top]],
+                                     repetition_penalty=1.5, prompt_token_ids=[[top, 1, 2]],
+                                     output_token_ids=[[3]]))[0]
+    reference = torch.log_softmax(logits[0], dim=-1)
+    assert out.token_id != top
+    assert out.logprobs[0] == pytest.approx(float(reference[out.token_id]), abs=1e-5)
+    assert out.logprobs[1] >= 2
+    assert out.logprobs[2][0] == top  # the masked token still tops the raw distribution
+
+
+def test_logprobs_only_for_rows_that_ask(sampler: Sampler) -> None:
+    logits = random_logits(2, seed=14)
+    out = sampler(logits, make_batch(2, temperature=0.0, num_logprobs=[None, 2]))
+    assert out[0].logprobs is None
+    assert out[1].logprobs is not None
+    assert sampler(logits, make_batch(2, temperature=0.0))[0].logprobs is None
+
+
+# --- through the engine -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir: str) -> LLM:
+    return LLM(model=tiny_llama_dir, dtype="float32", block_size=16, num_kv_blocks=128)
+
+
+PROMPTS = [[10 + i for i in range(7)], [200 + 3 * i for i in range(23)], [500 + i for i in range(40)]]
+
+
+def test_seeded_request_independent_of_batch_composition(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids
+    mixed = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True), params,
+                                   SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)])
+    assert mixed[1].outputs[0].token_ids == alone
+    reordered = llm.generate([PROMPTS[2], PROMPTS[1]], [SamplingParams(temperature=1.0, max_tokens=3), params])
+    assert reordered[1].outputs[0].token_ids == alone
+    other_seed = llm.generate([PROMPTS[1]], SamplingParams(temperature=1.0, seed=4321, max_tokens=12,
+                                                           ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+    assert len(alone) == 12
+
+
+def test_seeded_n_children_differ_and_repeat(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate([PROMPTS[0]], params)[0].outputs]
+    again = [o.token_ids for o in llm.generate([PROMPTS[0]], params)[0].outputs]
+    assert first == again
+    assert len({tuple(t) for t in first}) == 3
+
+
+def test_top_k_1_through_engine_equals_greedy(llm: LLM) -> None:
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True))
+    assert [g.outputs[0].token_ids for g in greedy] == [t.outputs[0].token_ids for t in top1]

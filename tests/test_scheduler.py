@@ -1,0 +1,310 @@
+"""Unit tests for engine.scheduler with a fake model: budget, max_num_seqs, chunked prefill, FCFS,
+preemption by recompute, aborts, stop rules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from broker.sampling_params import SamplingParams
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler, SchedulerConfig, TokenUpdate
+from engine.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
+
+BS = 4
+EOS = 1
+FILLER = 7  # the fake model's default token: neither EOS nor a stop token
+
+
+def make_scheduler(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, max_model_len: int = 256,
+                   chunked: bool = True, prefix: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked),
+                     BlockManager(num_blocks, BS, prefix), [EOS])
+
+
+def make_request(rid: str, n: int, start: int = 100, **params) -> Request:
+    params.setdefault("max_tokens", 16)
+    return Request(rid, list(range(start, start + n)), SamplingParams(**params))
+
+
+def step(s: Scheduler, token: Callable[[Request], int] = lambda r: FILLER
+         ) -> tuple[SchedulerOutput, list[TokenUpdate]]:
+    """One schedule + fake execute + update; a token is sampled where the chunk reaches the last token."""
+    out = s.schedule()
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        assert 1 <= n <= r.num_tokens - r.num_computed_tokens
+        if r.num_computed_tokens + n == r.num_tokens:
+            sampled[rid] = SampledToken(token(r))
+    return out, s.update_from_output(out, ModelRunnerOutput(sampled))
+
+
+def run_to_completion(s: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
+    outs = []
+    for _ in range(max_steps):
+        if not s.has_unfinished():
+            return outs
+        outs.append(step(s)[0])
+    raise AssertionError("scheduler did not finish")
+
+
+def test_token_budget_and_chunking_of_the_last_admitted() -> None:
+    s = make_scheduler(budget=16)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 10, start=100 * (i + 1)))
+    out, updates = step(s)
+    assert out.num_scheduled_tokens == {"r0": 10, "r1": 6}
+    assert [u.request.request_id for u in updates] == ["r0"]
+    assert [r.request_id for r in s.running] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    out, updates = step(s)
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 4, "r2": 10}
+    assert out.total_num_scheduled_tokens == 15
+    assert {u.request.request_id for u in updates} == {"r0", "r1", "r2"}
+    for _ in range(5):
+        out, _ = step(s)
+        assert out.total_num_scheduled_tokens <= 16
+
+
+def test_max_num_seqs() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 5, start=100 * (i + 1), max_tokens=3))
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    assert s.num_running == 2 and s.num_waiting == 1
+    step(s)
+    out, updates = step(s)  # r0 and r1 reach max_tokens=3
+    assert all(u.finished for u in updates) and len(updates) == 2
+    assert "r2" not in out.num_scheduled_tokens
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"r2"}
+    assert out.finished_req_ids == ["r0", "r1"]
+
+
+def test_chunked_prefill_chunks() -> None:
+    s = make_scheduler(budget=8)
+    req = make_request("a", 20)
+    s.add_request(req)
+    chunks = []
+    while not req.output_token_ids:
+        out, updates = step(s)
+        chunks.append(out.num_scheduled_tokens["a"])
+        if req.num_computed_tokens < 20:
+            assert updates == []
+    assert chunks == [8, 8, 4]
+    assert req.num_computed_tokens == 20 and req.output_token_ids == [FILLER]
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1}
+
+
+def test_new_then_cached_request_data() -> None:
+    s = make_scheduler(budget=8)
+    req = make_request("a", 10)
+    s.add_request(req)
+    out, _ = step(s)
+    assert [n.req_id for n in out.new_requests] == ["a"] and out.cached_requests == []
+    new = out.new_requests[0]
+    assert new.prompt_token_ids == req.prompt_token_ids and new.num_computed_tokens == 0
+    assert new.block_ids == req.block_ids[:2] and len(new.block_ids) == 2
+    assert new.sampling["max_tokens"] == 16
+    out, _ = step(s)
+    assert out.new_requests == []
+    assert out.cached_requests == [CachedRequestData("a", [req.block_ids[2]], 8, False)]
+    out, _ = step(s)  # decode at position 10 stays in block 3: no new blocks
+    assert out.cached_requests == [CachedRequestData("a", [], 10, False)]
+
+
+def test_chunked_prefill_disabled_schedules_whole_prompts() -> None:
+    s = make_scheduler(budget=16, chunked=False)
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 10, start=300))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 10}  # b does not fit the rest of the budget, and is not split
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 10}
+
+
+def test_fcfs_by_budget_and_by_kv_blocks() -> None:
+    s = make_scheduler(budget=10)
+    s.add_request(make_request("r0", 8))
+    s.add_request(make_request("r1", 8, start=200))
+    s.add_request(make_request("r2", 2, start=300))
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens.items()) == [("r0", 8), ("r1", 2)]  # r2 would fit, but waits
+
+    s = make_scheduler(num_blocks=4, budget=64)
+    s.add_request(make_request("big0", 9))  # 3 blocks
+    s.add_request(make_request("big1", 9, start=200))  # 3 blocks: does not fit
+    s.add_request(make_request("small", 2, start=300))  # 1 block would fit, but must not jump the queue
+    out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["big0"]
+    assert [r.request_id for r in s.waiting] == ["big1", "small"]
+
+
+def _preemption_setup() -> tuple[Scheduler, Request, Request]:
+    s = make_scheduler(num_blocks=4, budget=64, max_model_len=64)
+    a = make_request("a", 7, max_tokens=4)
+    b = make_request("b", 7, start=200, max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both prefilled: 2 blocks each, the pool is full
+    step(s)  # decode position 7: still block 2
+    assert s.block_manager.num_free_blocks == 0 and a.num_tokens == 9
+    return s, a, b
+
+
+def test_preemption_lifo_front_of_queue_and_recompute() -> None:
+    s, a, b = _preemption_setup()
+    late = make_request("late", 2, start=500, max_tokens=2)
+    s.add_request(late)
+    b_tokens = list(b.token_ids)
+    out, _ = step(s)  # a needs a 3rd block: b (latest admitted) is preempted
+    assert s.num_preemptions == 1 and b.num_preemptions == 1 and a.num_preemptions == 0
+    assert b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0 and b.block_ids == []
+    assert list(out.num_scheduled_tokens) == ["a"]  # nothing admitted in a step that preempted
+    assert [r.request_id for r in s.waiting] == ["b", "late"]
+    assert b.token_ids == b_tokens and b.output_token_ids == [FILLER, FILLER]
+
+    outs = run_to_completion(s)
+    resumed = [c for o in outs for c in o.cached_requests if c.req_id == "b" and c.resumed_from_preemption]
+    assert len(resumed) == 1
+    resume_step = next(o for o in outs if any(c is resumed[0] for c in o.cached_requests))
+    # Recompute from its cached prefix: every token after it, outputs included.
+    assert resumed[0].num_computed_tokens % BS == 0
+    assert resume_step.num_scheduled_tokens["b"] == len(b_tokens) - resumed[0].num_computed_tokens
+    assert len(resumed[0].new_block_ids) == -(-len(b_tokens) // BS)  # the whole new block table
+    assert all(n.req_id != "b" for o in outs for n in o.new_requests)  # the runner still knows b
+    first_late = next(i for i, o in enumerate(outs) if "late" in o.num_scheduled_tokens)
+    first_b = next(i for i, o in enumerate(outs) if "b" in o.num_scheduled_tokens)
+    assert first_b <= first_late  # the preempted request goes before later arrivals
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.num_output_tokens == 4
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 4
+    assert s.block_manager.num_free_blocks == 4
+
+
+def test_request_that_cannot_grow_preempts_itself_when_it_is_the_latest() -> None:
+    s = make_scheduler(num_blocks=5, budget=64, max_model_len=64)
+    a = make_request("a", 7, max_tokens=4)
+    b = make_request("b", 7, start=200, max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    step(s)
+    assert s.block_manager.num_free_blocks == 1
+    out, _ = step(s)  # a takes the last block; b, the latest admitted, is its own victim
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert b.status == RequestStatus.PREEMPTED and b.block_ids == []
+    assert a.status == RequestStatus.RUNNING and len(a.block_ids) == 3
+    assert s.num_preemptions == 1 and [r.request_id for r in s.waiting] == ["b"]
+    run_to_completion(s)
+    assert a.num_output_tokens == b.num_output_tokens == 4
+    assert s.block_manager.num_free_blocks == 5
+
+
+def test_abort_waiting_running_and_mid_chunk() -> None:
+    s = make_scheduler(budget=8)
+    mid = make_request("mid", 20)
+    s.add_request(mid)
+    s.add_request(make_request("w", 5, start=300))
+    step(s)
+    assert mid.num_computed_tokens == 8 and mid.block_ids
+    aborted = s.abort_requests(["mid", "w", "unknown"])
+    assert [r.request_id for r in aborted] == ["mid", "w"]
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in aborted)
+    assert aborted[0].status.finish_reason == "abort"
+    assert s.block_manager.num_free_blocks == 64
+    assert not s.has_unfinished() and s.requests == {}
+    out = s.schedule()
+    assert out.finished_req_ids == ["mid"]  # w never reached the runner
+    assert out.is_empty
+    assert s.abort_requests(["mid"]) == []  # already finished
+
+    s = make_scheduler()
+    r = make_request("r", 6)
+    s.add_request(r)
+    step(s)
+    step(s)
+    assert r.status == RequestStatus.RUNNING and r.num_output_tokens == 2
+    s.abort_requests(["r"])
+    assert s.block_manager.num_free_blocks == 64 and s.running == []
+    assert s.schedule().finished_req_ids == ["r"]
+
+
+def test_abort_preempted_request() -> None:
+    s, a, b = _preemption_setup()
+    step(s)
+    assert b.status == RequestStatus.PREEMPTED
+    s.abort_requests(["b"])
+    assert b.status == RequestStatus.FINISHED_ABORTED and list(s.waiting) == []
+    run_to_completion(s)
+    assert s.block_manager.num_free_blocks == 4
+
+
+def _finish_with(tokens: list[int], **params) -> Request:
+    s = make_scheduler()
+    req = make_request("r", 5, **params)
+    s.add_request(req)
+    feed = iter(tokens)
+    while s.has_unfinished():
+        step(s, lambda r: next(feed))
+    assert s.block_manager.num_free_blocks == 64
+    return req
+
+
+def test_stop_on_eos() -> None:
+    req = _finish_with([9, EOS, 9])
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.status.finish_reason == "stop"
+    assert req.output_token_ids == [9, EOS] and req.stop_reason is None
+
+
+def test_ignore_eos() -> None:
+    req = _finish_with([EOS] * 5, ignore_eos=True, max_tokens=5)
+    assert req.status == RequestStatus.FINISHED_LENGTH and req.output_token_ids == [EOS] * 5
+
+
+def test_stop_token_ids() -> None:
+    req = _finish_with([9, 9, 42, 9], stop_token_ids=[42])
+    assert req.status == RequestStatus.FINISHED_STOPPED
+    assert req.output_token_ids == [9, 9, 42] and req.stop_reason == 42
+
+
+def test_min_tokens_suppresses_stops() -> None:
+    req = _finish_with([EOS, 42, 9, 42], stop_token_ids=[42], min_tokens=3)
+    assert req.output_token_ids == [EOS, 42, 9, 42]
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == 42
+
+
+def test_max_tokens() -> None:
+    req = _finish_with([9] * 3, max_tokens=3)
+    assert req.status == RequestStatus.FINISHED_LENGTH and req.status.finish_reason == "length"
+    assert req.num_output_tokens == 3
+
+
+def test_max_model_len() -> None:
+    s = make_scheduler(max_model_len=12)
+    with pytest.raises(ValueError):
+        s.add_request(make_request("too_long", 12))
+    req = make_request("r", 9, max_tokens=100)
+    s.add_request(req)
+    run_to_completion(s)
+    assert req.num_tokens == 12 and req.num_output_tokens == 3
+    assert req.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_prefix_hit_sets_computed_and_cached_tokens() -> None:
+    s = make_scheduler()
+    a = make_request("a", 10, max_tokens=2)
+    s.add_request(a)
+    run_to_completion(s)
+    b = make_request("b", 11, max_tokens=2)  # same first 10 tokens
+    s.add_request(b)
+    out, _ = step(s)
+    assert b.num_cached_tokens == 8
+    assert out.new_requests[0].num_computed_tokens == 8
+    assert out.num_scheduled_tokens == {"b": 3}
+    assert s.block_manager.prefix_hits == 8

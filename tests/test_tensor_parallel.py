@@ -1,0 +1,174 @@
+"""Tensor parallelism on CPU (gloo): TP=2 equals TP=1 and transformers; worker and engine deaths."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from broker.client import BrokerClient
+from broker.messages import AddRequest
+from broker.sampling_params import SamplingParams
+from engine import LLM
+from worker.multiproc_executor import WorkerDied
+
+PROMPTS = [[5, 17, 99, 4, 250, 31], list(range(40, 140)), [7], list(range(300, 333))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _shm_segments(pid: int) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if f"_{pid}_" in name]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read()
+
+
+def _child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(tiny_llama_dir: str) -> list[list[int]]:
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_tp2_offline_matches_tp1_and_transformers(tiny_llama_dir, tiny_qwen2_dir, tp1_tokens):
+    from transformers import AutoModelForCausalLM
+    llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2)
+    try:
+        tp2 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    assert tp2 == tp1_tokens
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    for prompt, tokens in zip(PROMPTS, tp2, strict=True):
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == ref
+
+    qwen = LLM(tiny_qwen2_dir, dtype="float32", tensor_parallel_size=2)
+    try:
+        qwen_tp2 = [o.outputs[0].token_ids for o in qwen.generate(PROMPTS, GREEDY)]
+    finally:
+        qwen.shutdown()
+    qwen_tp1 = [o.outputs[0].token_ids for o in LLM(tiny_qwen2_dir, dtype="float32").generate(PROMPTS, GREEDY)]
+    assert qwen_tp2 == qwen_tp1
+
+
+def test_killed_worker_fails_the_step_fast_and_leaves_nothing(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", tensor_parallel_size=2)
+    executor = llm.engine.executor
+    worker_pids = [p.pid for p in executor.procs]
+    llm.engine.add_request("r", PROMPTS[1], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+    llm.engine.step()
+    os.kill(worker_pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied):
+        for _ in range(1000):
+            llm.engine.step()
+    assert time.monotonic() - started < 10
+    llm.shutdown()
+    assert _wait_gone(worker_pids, 10) == []
+    assert _shm_segments(os.getpid()) == []
+
+
+def _start_engine(model: str, redis_url: str, prefix: str, tp: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "redserve.cli", "engine", "--model", model, "--redis-url", redis_url,
+         "--key-prefix", prefix, "--dtype", "float32", "--tensor-parallel-size", str(tp)],
+        stdin=subprocess.DEVNULL)
+
+
+def _wait_ready(client: BrokerClient, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not client.ready_engines():
+        assert proc.poll() is None, f"engine exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "engine not ready in time"
+        time.sleep(0.2)
+
+
+def _submit(client: BrokerClient, request_id: str, prompt: list[int], params: SamplingParams):
+    return client.submit(AddRequest(request_id, "", prompt, params.to_dict(), time.time(), time.time() + 120))
+
+
+def test_served_tp2_matches_and_worker_death_ends_requests(tiny_llama_dir, redis_url, redis_keys, tp1_tokens):
+    proc = _start_engine(tiny_llama_dir, redis_url, redis_keys.prefix, tp=2)
+    client = BrokerClient(redis_url, keys=redis_keys).start()
+    try:
+        _wait_ready(client, proc)
+        for i, (prompt, expected) in enumerate(zip(PROMPTS, tp1_tokens, strict=True)):
+            tokens = []
+            with _submit(client, f"g{i}", prompt, GREEDY) as handle:
+                for out in handle:
+                    assert out.error is None
+                    tokens += out.new_token_ids
+            assert tokens == expected
+
+        workers = _child_pids(proc.pid)
+        long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+        handles = [_submit(client, f"long{i}", PROMPTS[i], long) for i in range(2)]
+        assert handles[0].get(timeout=60) is not None
+        spawned = [p for p in workers if "redserve-worker" in _cmdline(p) or "spawn" in _cmdline(p)]
+        assert spawned, f"no worker among children {workers}"
+        os.kill(spawned[-1], signal.SIGKILL)
+        started = time.monotonic()
+        for handle in handles:
+            last = None
+            for out in handle:
+                last = out
+            assert last is not None and last.finish_reason == "error"
+        assert time.monotonic() - started < 30
+        assert proc.wait(timeout=30) != 0
+        assert _wait_gone(workers, 15) == []
+        assert _shm_segments(proc.pid) == []
+    finally:
+        client.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_killed_engine_takes_its_workers_and_segments(tiny_llama_dir, redis_url, redis_keys):
+    proc = _start_engine(tiny_llama_dir, redis_url, redis_keys.prefix, tp=2)
+    client = BrokerClient(redis_url, keys=redis_keys).start()
+    try:
+        _wait_ready(client, proc)
+        children = _child_pids(proc.pid)
+        assert children
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert _wait_gone(children, 15) == []
+        deadline = time.monotonic() + 10
+        while _shm_segments(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _shm_segments(proc.pid) == []
+    finally:
+        client.stop()
