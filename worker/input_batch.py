@@ -114,7 +114,7 @@ class InputBatch:
         meta.decode_slots = self._slot_table(tables)[:, :length].contiguous()
         context = self._tensor(lens)
         positions = torch.arange(length, device=self.device)
-        meta.decode_mask = (positions.unsqueeze(0) >= context.unsqueeze(1)).view(1, len(tables), 1, length)
+        meta.decode_mask = (positions.unsqueeze(0) >= context.unsqueeze(1)).view(len(tables), 1, length)
 
     def _prefill_chunk(self, start: int, n: int, computed: int, blocks: list[int]) -> PrefillChunk:
         context = computed + n

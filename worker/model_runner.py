@@ -88,7 +88,7 @@ class ModelRunner:
             raise ModelLoadError(
                 f"the KV cache budget holds {num_blocks * self.config.block_size} tokens, fewer than "
                 f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
-        shape = (2, self.num_kv_heads, num_blocks * self.config.block_size, self.head_dim)
+        shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.hf_config.num_hidden_layers)]
 

@@ -22,7 +22,7 @@ def rope_parameters(config) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device):
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
         params = rope_parameters(config)
         rope_type = params["rope_type"]
@@ -34,11 +34,12 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", (freqs.cos() * scaling).to(device), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scaling).to(device), persistent=False)
+        self.register_buffer("cos", (freqs.cos() * scaling).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, d], k: [T, kv_heads, d]; rotated in float32, returned in their dtype."""
+        """q: [T, heads, d], k: [T, kv_heads, d]. Computed in the model dtype, with cos/sin rounded to it,
+        as the Hugging Face implementation does."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -46,5 +47,5 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

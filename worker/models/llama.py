@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -96,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions, device)
+        rotary = RotaryEmbedding(config, head_dim, max_positions, device, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
