@@ -22,8 +22,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from broker.connection import connect
+from broker.connection import connect, wait_for_redis
 from broker.engine_link import OutputPublisher, RequestReader
+from broker.errors import BrokerUnavailable
 from broker.keys import EngineState, RedisKeys
 from broker.messages import (
     AbortRequests,
@@ -84,6 +85,7 @@ class EngineServer:
         self.dp_rank = dp_rank
         self.engine_id = engine_id or str(dp_rank)
         self.keys = RedisKeys(key_prefix)
+        self.redis_url = redis_url
         self.redis = connect(redis_url, client_name=f"engine-{self.engine_id}")
         self.heartbeat_ttl = heartbeat_ttl
         self.drain_timeout = drain_timeout
@@ -101,6 +103,11 @@ class EngineServer:
 
     def run(self) -> int:
         """Serve until drained (returns 0) or until the engine fails (returns 1)."""
+        try:
+            wait_for_redis(self.redis_url, timeout=60)
+        except BrokerUnavailable as exc:
+            logger.error("engine %s: %s", self.engine_id, exc)
+            return 1
         self.reader.reset()
         self.registry.register(self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
                                                 "model": self.config.model})
