@@ -1,8 +1,8 @@
 """EngineCore: the scheduler, the KV block manager and an executor, stepped by its caller.
 
 ``add_request`` and ``abort_request`` may be called between steps; ``step()`` runs one
-schedule -> execute -> update cycle and returns one ``EngineOutput`` per request that produced a
-token or finished. A request with n > 1 runs as n child sequences; the first computes the prompt
+schedule -> execute -> update cycle and returns one ``RequestOutput`` (the broker's wire type, so the
+engine process sends it as is) per sequence that produced a token or finished. A request with n > 1 runs as n child sequences; the first computes the prompt
 and the others start once its full blocks are in the prefix cache, so they share them.
 """
 
@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from broker.messages import RequestOutput
 from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -20,20 +21,6 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineOutput:
-    """New tokens of one sequence (``index`` among the n of its request) since the last step."""
-
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    logprobs: list | None = None
 
 
 @dataclass
@@ -107,7 +94,7 @@ class EngineCore:
             for kid in kids[1:]:
                 self.scheduler.add_request(kid)
 
-    def abort_request(self, request_ids: list[str]) -> list[EngineOutput]:
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort requests (by the id given to ``add_request``); unknown ids are ignored."""
         outputs = []
         for request_id in request_ids:
@@ -135,7 +122,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.children)
 
-    def step(self) -> list[EngineOutput]:
+    def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
@@ -151,8 +138,8 @@ class EngineCore:
         self._release_siblings()
         return outputs
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list | None) -> EngineOutput:
-        return EngineOutput(
+    def _output(self, req: Request, tokens: list[int], logprobs: list | None) -> RequestOutput:
+        return RequestOutput(
             request_id=req.parent_id, index=req.index, new_token_ids=tokens,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
+from broker.messages import RequestOutput as EngineOutput
 from broker.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.core import EngineCore, EngineOutput
+from engine.core import EngineCore
 
 
 @dataclass

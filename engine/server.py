@@ -40,7 +40,7 @@ from broker.messages import (
 from broker.registry import EngineHeartbeat, EngineRegistry
 from broker.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.core import EngineCore, EngineOutput
+from engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -240,13 +240,13 @@ class EngineServer:
         for out in self.core.abort_request(request_ids):
             self._emit(batch, out)
 
-    def _emit(self, batch: StepBatch, out: EngineOutput, error: str | None = None) -> None:
+    def _emit(self, batch: StepBatch, out: RequestOutput, error: str | None = None) -> None:
         flight = self.in_flight.get(out.request_id)
         if flight is None:
             return
-        batch.add(self.engine_id, flight.client_id, RequestOutput(
-            out.request_id, out.index, out.new_token_ids, out.finish_reason, out.stop_reason,
-            out.num_prompt_tokens, out.num_cached_tokens, out.logprobs, error))
+        if error is not None:
+            out.finish_reason, out.error = "error", error
+        batch.add(self.engine_id, flight.client_id, out)
         if out.finish_reason is not None:
             flight.remaining -= 1
             if flight.remaining <= 0:
