@@ -26,13 +26,17 @@ weakly ordered CPUs ``memory_fence()`` (an uncontended lock acquire + release, w
 barrier instructions) sits between the two halves of each pair.
 
 Ownership: the creator owns the segment and unlinks it on ``close()``, on garbage collection and
-at interpreter exit. Non-owners only unmap it and never register it with multiprocessing's
-resource tracker (which would otherwise unlink it, or warn, when they exit). A SIGKILLed owner
-cannot clean up: ``cleanup_stale_segments(tag)`` unlinks segments whose creator pid is dead.
+at interpreter exit (a forked child inheriting the object never unlinks). SIGTERM skips atexit
+unless the process turns it into SystemExit. Non-owners only unmap it and never register it with
+multiprocessing's resource tracker (which would otherwise unlink it, or warn, when they exit).
+A SIGKILLed owner cannot clean up: the resource tracker it registered with unlinks the segment
+once every process sharing that tracker has exited, and ``cleanup_stale_segments(tag)`` unlinks
+at once the tag's segments whose creator pid is dead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -49,6 +53,7 @@ NAME_PREFIX = "rs_mq"
 SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 20e-6
 MAX_SLEEP_SECONDS = 1e-3
+WRITER_MAX_SLEEP_SECONDS = 100e-6
 
 _MAGIC = b"RSMQ"
 _VERSION = 1
@@ -136,16 +141,16 @@ def _attach_untracked(name: str) -> SharedMemory:
             resource_tracker.register = register
 
 
-def _release_segment(shm: SharedMemory, unlink: bool) -> None:
-    try:
+def _release_segment(shm: SharedMemory, owner_pid: int | None) -> None:
+    with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with the process
         shm.close()
-    except BufferError:
-        pass  # a caller still holds a view into the segment; the mapping goes with the process
-    if unlink:
+    if owner_pid == os.getpid():
         try:
             shm.unlink()
         except FileNotFoundError:
-            pass
+            # Someone else unlinked it; still drop our tracker registration, or the tracker
+            # warns about a leak and retries the unlink when it exits.
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
 
 
 class ShmRing:
@@ -164,7 +169,7 @@ class ShmRing:
         self._data_stride = _align(slot_bytes)
         self._all_read = b"\x01" * n_readers
         self._none_read = bytes(n_readers)
-        self._finalizer = weakref.finalize(self, _release_segment, shm, owner)
+        self._finalizer = weakref.finalize(self, _release_segment, shm, os.getpid() if owner else None)
 
     @staticmethod
     def segment_bytes(n_readers: int, n_slots: int, slot_bytes: int) -> int:
@@ -229,6 +234,7 @@ class ShmRing:
     def write(self, slot: int, seq: int, msg_len: int, chunk_index: int, parts: Sequence[memoryview]) -> None:
         """Fill a writable slot with ``parts`` (at most slot_bytes in total) and publish it."""
         buf = self.buf
+        memory_fence()  # the read-flag loads in ``writable`` come before we overwrite the payload
         pos = self._data_start + slot * self._data_stride
         for part in parts:
             buf[pos : pos + len(part)] = part
@@ -274,10 +280,16 @@ def wait_until(
     ring: ShmRing,
     timeout: float | None,
     describe: Callable[[], str],
+    max_sleep: float = MAX_SLEEP_SECONDS,
 ) -> None:
-    """Return once ``ready()``: spin for SPIN_SECONDS, then sleep with doubling naps up to
-    MAX_SLEEP_SECONDS. Raise ``QueueClosed`` once the ring is closed and still not ready, and
-    ``TimeoutError(describe())`` after ``timeout`` seconds (None waits forever)."""
+    """Return once ``ready()``; raise ``QueueClosed`` once the ring is closed and still not ready,
+    and ``TimeoutError(describe())`` after ``timeout`` seconds (None waits forever).
+
+    Already ready: one flag check, no system call. Otherwise spin for SPIN_SECONDS, yielding the
+    CPU between checks, then sleep with naps doubling from FIRST_SLEEP_SECONDS to
+    ``max_sleep`` (MAX_SLEEP_SECONDS), so an idle waiter wakes about 1000 times a second (~2% of
+    a core measured).
+    """
     if ready():
         return
     now = time.monotonic()
@@ -294,6 +306,8 @@ def wait_until(
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             raise TimeoutError(describe())
-        if now >= spin_until:
+        if now < spin_until:
+            os.sched_yield()  # lets a peer sharing this core run; measured 2-4x throughput on 2 CPUs
+        else:
             time.sleep(nap if deadline is None else min(nap, max(deadline - now, 0.0)))
-            nap = min(nap * 2, MAX_SLEEP_SECONDS)
+            nap = min(nap * 2, max_sleep)
