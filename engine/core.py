@@ -76,6 +76,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stops[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
                              f"{self.max_model_len} tokens and at least one must be generated")

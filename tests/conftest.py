@@ -71,3 +71,127 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2", seed=1,
                                **TINY_MODEL_SIZES))
+
+
+# --- API end-to-end stack (tests/test_api_e2e.py) -------------------------------------------------------
+# Real processes: a private redis-server, `redserve engine` and `redserve api` (gunicorn, 2 workers) as
+# subprocesses on the tiny llama model. Each child runs in its own session (so its whole process group can be
+# killed, gunicorn workers included) and dies with the test process (PR_SET_PDEATHSIG). Logs: ApiStack.logs.
+
+class ApiStack:
+    """A running Redis + engine + API; `spawn_api` starts extra API servers, all stopped at teardown."""
+
+    API_KEY = "test-key"
+
+    def __init__(self, model_dir: str, logs, redis_server) -> None:
+        self.model_dir = model_dir
+        self.logs = logs
+        self.redis = redis_server
+        self.redis_url = redis_server.url
+        self.engine = None
+        self.api = None
+        self.base_url = ""
+        self._procs: list = []
+
+    def spawn(self, name: str, argv: list[str]):
+        import subprocess
+        import sys
+
+        from broker.redis_server import pdeathsig_preexec
+
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - closed with the stack
+        proc = subprocess.Popen([sys.executable, "-m", "redserve.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=pdeathsig_preexec())
+        proc.log_file = log
+        self._procs.append(proc)
+        return proc
+
+    def start_engine(self):
+        self.engine = self.spawn("engine", ["engine", "--model", self.model_dir, "--redis-url", self.redis_url,
+                                            "--dtype", "float32"])
+        return self.engine
+
+    def stop_engine(self) -> int | None:
+        """SIGTERM the engine (it drains and deregisters); its exit code."""
+        engine, self.engine = self.engine, None
+        return self.stop_process(engine)
+
+    def spawn_api(self, name: str, *extra: str, workers: int = 2) -> tuple:
+        port = _free_tcp_port()
+        proc = self.spawn(name, ["api", "--model", self.model_dir, "--redis-url", self.redis_url,
+                                 "--port", str(port), "--workers", str(workers), *extra])
+        return proc, f"http://127.0.0.1:{port}"
+
+    def wait_healthy(self, base_url: str, timeout: float = 90.0, want: int = 200, watch: tuple = ()) -> None:
+        """Poll /health until it answers `want`; fail early if a watched process (or the engine) exits."""
+        import time
+
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [p.args for p in (self.engine, self.api, *watch) if p is not None and p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a stack process exited: {dead}; see the logs in {self.logs}")
+            try:
+                if requests.get(f"{base_url}/health", timeout=2).status_code == want:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{base_url}/health did not answer {want} within {timeout}s; logs in {self.logs}")
+
+    @staticmethod
+    def stop_process(proc, timeout: float = 20.0) -> int | None:
+        """SIGTERM the process's group, SIGKILL it after `timeout`; the exit code (None if killed)."""
+        import contextlib
+        import os
+        import signal
+        import subprocess
+
+        code = proc.poll()
+        if code is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # the leader is not reaped yet, so its group id is still ours: kill the whole group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = None
+        proc.log_file.close()
+        return code
+
+    def close(self) -> None:
+        for proc in reversed(self._procs):
+            self.stop_process(proc)
+        self.redis.stop()
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def api_stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiStack]:
+    """Redis + `redserve engine` + `redserve api --workers 2 --api-key test-key`, up until the session ends.
+
+    Yields the `ApiStack` (base_url, model_dir, redis_url, API_KEY, ...). Everything is killed at teardown,
+    even when startup fails.
+    """
+    redis_server = EmbeddedRedis().start()
+    stack = ApiStack(tiny_llama_dir, tmp_path_factory.mktemp("api-stack-logs"), redis_server)
+    try:
+        stack.start_engine()
+        stack.api, stack.base_url = stack.spawn_api("api", "--api-key", ApiStack.API_KEY,
+                                                    "--max-body-bytes", str(1 << 20))
+        stack.wait_healthy(stack.base_url)
+        yield stack
+    finally:
+        stack.close()

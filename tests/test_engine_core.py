@@ -548,3 +548,10 @@ def test_request_larger_than_kv_pool_does_not_hang(llama_dir: str) -> None:
 def test_prompt_over_budget_without_chunked_prefill_does_not_hang(llama_dir: str) -> None:
     _finishes_or_is_rejected(
         lambda: make_llm(llama_dir, max_num_batched_tokens=32, enable_chunked_prefill=False), PROMPTS[4], GREEDY)
+
+
+def test_out_of_vocab_stop_token_is_rejected(llama_dir: str) -> None:
+    llm = make_llm(llama_dir)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.engine.add_request("bad", [5, 6], SamplingParams(min_tokens=2, stop_token_ids=[10**6]))
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,211 @@
+"""The Flask app: routes, API-key check, body parsing and error mapping.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
+POST /tokenize, POST /detokenize, GET /metrics.
+
+Rules:
+- Every error is OpenAI's error JSON (`api.errors`), including unknown routes (404), wrong methods
+  (405), oversized bodies (413) and anything unexpected (500, logged); no input takes a process down.
+- With an API key configured, /v1/* needs ``Authorization: Bearer <key>`` (401 otherwise);
+  /health, /metrics, /version, /tokenize and /detokenize stay open (as in vLLM).
+- Bodies are JSON objects; invalid JSON (NaN and Infinity included) is a 400.
+- /health is 200 when at least one READY engine has a live heartbeat, else 503.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from importlib import metadata
+from typing import Any
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from api.chat import create_chat_completion
+from api.completions import create_completion
+from api.config import ApiConfig
+from api.errors import ApiError, bad_request
+from api.generation import ClientDisconnected
+from api.metrics import EngineStatsCollector, render_metrics
+from api.protocol import Body, parse_messages
+from api.serving import check_model, prompt_token_ids
+from api.state import ApiState, disconnect_probe
+from broker.errors import BrokerError
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "redserve"
+
+
+def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
+    """The API as a Flask app; its `ApiState` is ``app.extensions["redserve"]``."""
+    app = Flask("redserve.api")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.json.sort_keys = False
+    state = state or ApiState(config)
+    app.extensions[STATE_KEY] = state
+    collector = EngineStatsCollector(config.model_name, state.live_engines)
+    created = int(time.time())
+
+    @app.before_request
+    def check_api_key() -> None:
+        if config.api_key and request.path.startswith("/v1") and request.method != "OPTIONS":
+            header = request.headers.get("Authorization", "")
+            given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+                raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
+
+    @app.post("/v1/completions")
+    def completions() -> Response:
+        return create_completion(state, _json_body(), _probe())
+
+    @app.post("/v1/chat/completions")
+    def chat_completions() -> Response:
+        return create_chat_completion(state, _json_body(), _probe())
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        max_model_len = _max_model_len(state)
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "redserve", "root": config.model,
+                 "parent": None, "max_model_len": max_model_len, "permission": []}
+                for name in config.served_model_names]
+        return jsonify({"object": "list", "data": data})
+
+    @app.get("/health")
+    def health() -> Response:
+        try:
+            engines = state.ready_engines()
+        except BrokerError as e:
+            return _status(503, f"the broker is unavailable: {e}", 0)
+        if not engines:
+            return _status(503, f"no engine is ready; registered: {_engine_summary(state)}", 0)
+        return _status(200, "ok", len(engines))
+
+    @app.get("/version")
+    def version() -> Response:
+        return jsonify({"version": _version()})
+
+    @app.post("/tokenize")
+    def tokenize() -> Response:
+        body = Body(_json_body())
+        check_model(state, body.get("model", "str"))
+        if body.has("messages"):
+            text = _render_chat(state, body)
+            ids = state.tokenizer.encode(text, add_special_tokens=body.get("add_special_tokens", "bool", False))
+        else:
+            prompt = body.get("prompt", "str")
+            if prompt is None:
+                raise bad_request("give 'prompt' (a string) or 'messages'", param="prompt")
+            ids = state.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", "bool", True))
+        strs = state.tokenizer.token_strings(ids) if body.get("return_token_strs", "bool", False) else None
+        return jsonify({"count": len(ids), "max_model_len": _max_model_len(state), "tokens": ids,
+                        "token_strs": strs})
+
+    @app.post("/detokenize")
+    def detokenize() -> Response:
+        body = Body(_json_body())
+        check_model(state, body.get("model", "str"))
+        tokens = body.get("tokens", "int_list")
+        if tokens is None:
+            raise bad_request("'tokens' (an array of token ids) is required", param="tokens")
+        prompt = prompt_token_ids(state, tokens) if tokens else []
+        return jsonify({"prompt": state.tokenizer.decode(prompt, skip_special_tokens=False)})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        payload, content_type = render_metrics(collector)
+        return Response(payload, content_type=content_type)
+
+    _register_error_handlers(app)
+    return app
+
+
+def _json_body() -> Any:
+    raw = request.get_data(cache=False)
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _probe():
+    return disconnect_probe(request.environ.get("gunicorn.socket"))
+
+
+def _render_chat(state: ApiState, body: Body) -> str:
+    try:
+        return state.tokenizer.render_chat(parse_messages(body), body.get("add_generation_prompt", "bool", True),
+                                           **body.get("chat_template_kwargs", "dict", {}))
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from e
+
+
+def _max_model_len(state: ApiState) -> int | None:
+    try:
+        return state.max_model_len()
+    except BrokerError:
+        return state.tokenizer.max_position_embeddings
+
+
+def _engine_summary(state: ApiState) -> str:
+    """Every registered engine's state and liveness, to explain a 503."""
+    try:
+        engines = state.registry.all_engines()
+    except Exception as e:  # noqa: BLE001 - only an explanation
+        return f"unknown ({type(e).__name__})"
+    return ", ".join(f"{e['engine_id']}={e.get('state')}{'' if e['alive'] else ' (no heartbeat)'}"
+                     for e in engines) or "none"
+
+
+def _status(code: int, status: str, engines: int) -> Response:
+    response = jsonify({"status": status, "ready_engines": engines})
+    response.status_code = code
+    if code == 503:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
+def _version() -> str:
+    try:
+        return metadata.version("redserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _error_response(error: ApiError) -> Response:
+    response = jsonify(error.body())
+    response.status_code = error.status
+    for name, value in error.headers.items():
+        response.headers[name] = value
+    return response
+
+
+def _register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def api_error(e: ApiError) -> Response:
+        logger.debug("%s %s -> %d %s", request.method, request.path, e.status, e.message)
+        return _error_response(e)
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException) -> Response:
+        message = f"{e.name}: {request.method} {request.path}" if e.code in (404, 405) else f"{e.name}: {e.description}"
+        headers = {k: v for k, v in e.get_headers() if k.lower() == "allow"}
+        return _error_response(ApiError(e.code or 500, message, headers=headers))
+
+    @app.errorhandler(ClientDisconnected)
+    def client_gone(e: ClientDisconnected) -> Response:
+        logger.info("request %s: client disconnected; aborted", e)
+        return Response(status=499)
+
+    @app.errorhandler(Exception)
+    def unexpected(e: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(ApiError(500, f"internal server error ({type(e).__name__}); see the server log"))

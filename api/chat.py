@@ -1,0 +1,112 @@
+"""POST /v1/chat/completions.
+
+Rules:
+- `messages` are rendered with the model's chat template (``add_generation_prompt`` true unless
+  the body says otherwise; ``chat_template_kwargs`` are passed to the template), then tokenized
+  without adding special tokens (the template writes them).
+- `logprobs: true` (+ `top_logprobs` N) gives OpenAI's chat logprobs (`logprobs.content`).
+- Streaming: first a chunk per choice with ``delta: {"role": "assistant", "content": ""}``, then
+  content deltas, each choice's last chunk carrying its finish_reason; `stream_options.include_usage`
+  adds a last chunk with empty choices and the usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from flask import Response, jsonify
+
+from api.errors import bad_request
+from api.generation import SequenceDelta
+from api.logprobs import chat_logprobs
+from api.protocol import ChatRequest, parse_chat_request
+from api.serving import (
+    ChoiceResult,
+    Run,
+    check_model,
+    collect,
+    fit_params,
+    prefetched,
+    prompt_token_ids,
+    sse_response,
+    sse_stream,
+    start_run,
+    token_namer,
+    usage,
+)
+from api.state import ApiState
+
+
+def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Response:
+    """Answer one /v1/chat/completions body (ApiError for bad input; see the module rules)."""
+    request = parse_chat_request(data)
+    check_model(state, request.model)
+    prompt = render_prompt(state, request)
+    params = fit_params(state, [prompt], request.params)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    run = start_run(state, [prompt], params, request_id, is_disconnected)
+    view = _ChatView(state, request, run, request_id)
+    if request.stream:
+        return sse_response(sse_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
+    return jsonify(view.response(collect(run)))
+
+
+def render_prompt(state: ApiState, request: ChatRequest) -> list[int]:
+    """The prompt token ids of a chat request (ApiError 400 if the template cannot render it)."""
+    try:
+        text = state.tokenizer.render_chat(request.messages, request.add_generation_prompt,
+                                           **request.chat_template_kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), param="messages") from e
+    return prompt_token_ids(state, text, add_special_tokens=False)
+
+
+class _ChatView:
+    """Renders one chat request's choices, chunks and usage."""
+
+    def __init__(self, state: ApiState, request: ChatRequest, run: Run, request_id: str) -> None:
+        self.state = state
+        self.request = request
+        self.run = run
+        self.id = request_id
+        self.created = int(time.time())
+        self._token_name = token_namer(state, request.return_tokens_as_token_ids)
+
+    def _logprobs(self, token_ids: list[int], entries: list | None) -> dict[str, Any] | None:
+        if not self.request.logprobs:
+            return None
+        content = chat_logprobs(self._token_name, token_ids, entries, self.request.top_logprobs)
+        return {"content": content}
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.state.config.model_name,
+                "choices": choices}
+
+    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text},
+                    "logprobs": self._logprobs(r.token_ids, r.logprobs), "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason} for r in results]
+        return {**self._envelope("chat.completion", choices), "usage": usage(self.run)}
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        return [self._envelope("chat.completion.chunk", [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            for i in range(self.request.params.n)]
+
+    def chunk(self, delta: SequenceDelta) -> list[dict[str, Any]]:
+        if not delta.text and delta.finish_reason is None and not self.request.logprobs:
+            return []
+        choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                  "logprobs": self._logprobs(delta.token_ids, delta.logprobs) if delta.token_ids else None,
+                  "finish_reason": delta.finish_reason}
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = delta.stop_reason
+        return [self._envelope("chat.completion.chunk", [choice])]
+
+    def usage_chunks(self) -> list[dict[str, Any]]:
+        if not self.request.include_usage:
+            return []
+        return [{**self._envelope("chat.completion.chunk", []), "usage": usage(self.run)}]

@@ -1,0 +1,124 @@
+"""POST /v1/completions (OpenAI's legacy completions, with vLLM's extra sampling fields).
+
+Rules:
+- `prompt`: a string, an array of strings, an array of token ids or an array of token-id arrays.
+  Each prompt is its own engine request; choice index = prompt index * n + sample index.
+- `echo` prepends the prompt text to each choice (streaming: in a first chunk per choice).
+- `logprobs` N: OpenAI's completions logprobs (tokens, token_logprobs, top_logprobs, text_offset);
+  with echo the prompt tokens are listed with null logprobs.
+- Streaming chunks are ``text_completion`` objects; `stream_options.include_usage` adds a last
+  chunk with empty choices and the usage. Every choice ends with a chunk carrying finish_reason.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from flask import Response, jsonify
+
+from api.generation import SequenceDelta
+from api.logprobs import CompletionLogprobs
+from api.protocol import CompletionRequest, parse_completion_request
+from api.serving import (
+    ChoiceResult,
+    Run,
+    check_model,
+    collect,
+    fit_params,
+    prefetched,
+    prompt_token_ids,
+    sse_response,
+    sse_stream,
+    start_run,
+    token_namer,
+    usage,
+)
+from api.state import ApiState
+
+
+def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Response:
+    """Answer one /v1/completions body (ApiError for bad input; see the module rules)."""
+    request = parse_completion_request(data)
+    check_model(state, request.model)
+    prompts = [prompt_token_ids(state, p) for p in request.prompts]
+    params = fit_params(state, prompts, request.params)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    run = start_run(state, prompts, params, request_id, is_disconnected)
+    view = _CompletionView(state, request, run, prompts, request_id)
+    if request.stream:
+        deltas = prefetched(run)
+        return sse_response(sse_stream(run, view.echo_chunks(), deltas, view.chunk, view.usage_chunks))
+    return jsonify(view.response(collect(run)))
+
+
+class _CompletionView:
+    """Renders one completion request's choices, chunks and usage."""
+
+    def __init__(self, state: ApiState, request: CompletionRequest, run: Run, prompts: list[list[int]],
+                 request_id: str) -> None:
+        self.state = state
+        self.request = request
+        self.run = run
+        self.prompts = prompts
+        self.id = request_id
+        self.created = int(time.time())
+        self.n = request.params.n
+        self.want_logprobs = request.params.logprobs is not None
+        self._logprobs: dict[int, CompletionLogprobs] = {}
+        self._token_name = token_namer(state, request.return_tokens_as_token_ids)
+
+    def _prompt_text(self, p: int) -> str:
+        prompt = self.request.prompts[p]
+        return prompt if isinstance(prompt, str) else self.state.tokenizer.decode(self.prompts[p])
+
+    def _builder(self, index: int) -> CompletionLogprobs:
+        if index not in self._logprobs:
+            self._logprobs[index] = CompletionLogprobs(self._token_name)
+        return self._logprobs[index]
+
+    def _echo(self, index: int) -> tuple[str, dict | None]:
+        p = index // self.n
+        text = self._prompt_text(p)
+        logprobs = self._builder(index).add_prompt(self.prompts[p]) if self.want_logprobs else None
+        return text, logprobs
+
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.state.config.model_name, "choices": choices}
+
+    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+        choices = []
+        for result in results:
+            text, logprobs = self._echo(result.index) if self.request.echo else ("", None)
+            if self.want_logprobs:
+                self._builder(result.index).add(result.token_ids, result.logprobs)
+                logprobs = self._builder(result.index).total
+            choices.append(self._choice(result.index, text + result.text, logprobs, result.finish_reason,
+                                        result.stop_reason))
+        return {**self._envelope(choices), "usage": usage(self.run)}
+
+    def echo_chunks(self) -> list[dict[str, Any]]:
+        if not self.request.echo:
+            return []
+        return [self._envelope([self._choice(i, *self._echo(i), None, None)])
+                for i in range(self.n * len(self.prompts))]
+
+    def chunk(self, delta: SequenceDelta) -> list[dict[str, Any]]:
+        if not delta.text and delta.finish_reason is None and not self.want_logprobs:
+            return []
+        logprobs = self._builder(delta.index).add(delta.token_ids, delta.logprobs) if self.want_logprobs else None
+        return [self._envelope([self._choice(delta.index, delta.text, logprobs, delta.finish_reason,
+                                             delta.stop_reason)])]
+
+    def usage_chunks(self) -> list[dict[str, Any]]:
+        if not self.request.include_usage:
+            return []
+        return [{**self._envelope([]), "usage": usage(self.run)}]

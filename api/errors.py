@@ -1,0 +1,64 @@
+"""HTTP errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Rules:
+- Handlers raise `ApiError`; the app turns it into that JSON with `status` (and `headers`, e.g.
+  Retry-After). Before a stream has started this is the whole response; after, it is one SSE event
+  (`sse_error`) followed by ``data: [DONE]``.
+- `type` follows the status unless given: 400/404/405/413 invalid_request_error, 401
+  authentication_error, 429 rate_limit_error, 503 service_unavailable_error, 504 timeout_error,
+  else server_error. `code` is a short machine-readable string (or None).
+- `from_engine_error` maps a broker error string ("<ErrorCode>: detail") to a status: the engine
+  rejected the request -> 400, deadline -> 504, engine failure -> 500, engine or broker gone -> 503.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from broker.messages import ErrorCode, error_code
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
+
+_ENGINE_STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ENGINE_ERROR: 500}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP `status` plus OpenAI's error body; see the module rules."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status, "server_error")
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after: int = 1, code: str = "no_engine_available") -> ApiError:
+    return ApiError(503, message, code=code, headers={"Retry-After": str(retry_after)})
+
+
+def from_engine_error(error: str) -> ApiError:
+    """The ApiError for a failed request's `RequestOutput.error`."""
+    code = error_code(error)
+    detail = error.split(":", 1)[1].strip() if ":" in error else error
+    status = _ENGINE_STATUS.get(code, 503)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return ApiError(status, detail, code=code, headers=headers)
+
+
+def sse_error(error: ApiError) -> str:
+    """The SSE event carrying `error` after a stream has started."""
+    return f"data: {json.dumps(error.body())}\n\n"

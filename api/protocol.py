@@ -1,0 +1,259 @@
+"""Request bodies of /v1/completions and /v1/chat/completions: type checks and sampling parameters.
+
+Rules:
+- Unknown fields are ignored (the OpenAI SDK sends extras); a known field of the wrong type, or a
+  value out of range, is an `ApiError` 400 naming the field (`param`). JSON null means "default".
+- Integers must be JSON integers (not booleans, not 1.0); numbers may be integers or floats.
+- vLLM's extra sampling fields are accepted: top_k, min_p, repetition_penalty, ignore_eos,
+  min_tokens, stop_token_ids, seed, include_stop_str_in_output, skip_special_tokens; and vLLM's
+  `return_tokens_as_token_ids` (logprob tokens written "token_id:N").
+- The sampling parameters are checked by `SamplingParams` (its ValueError becomes a 400).
+  `max_tokens` None means "up to the context length": the caller fills it in once the prompt
+  length and the engine's max_model_len are known (`fit_to_context`).
+- Completions: `max_tokens` absent -> 16 (OpenAI's default), null -> up to the context.
+  Chat: `max_completion_tokens` wins over `max_tokens`; both absent -> up to the context.
+- Unsupported features that would change the answer (best_of != n, suffix, logit_bias, non-text
+  response_format, tools, non-text message parts) are a 400, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.errors import bad_request
+from broker.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_MISSING = object()
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_is_int, "an integer"),
+    "number": (_is_number, "a number"),
+    "bool": (lambda v: type(v) is bool, "a boolean"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+    "list": (lambda v: isinstance(v, list), "an array"),
+    "stop": (lambda v: isinstance(v, str) or _is_str_list(v), "a string or an array of strings"),
+    "int_list": (_is_int_list, "an array of integers"),
+}
+
+# name -> (kind, default) of the SamplingParams fields read the same way by both endpoints
+_SAMPLING_FIELDS: dict[str, tuple[str, Any]] = {
+    "n": ("int", 1),
+    "temperature": ("number", 1.0),
+    "top_p": ("number", 1.0),
+    "top_k": ("int", 0),
+    "min_p": ("number", 0.0),
+    "seed": ("int", None),
+    "presence_penalty": ("number", 0.0),
+    "frequency_penalty": ("number", 0.0),
+    "repetition_penalty": ("number", 1.0),
+    "min_tokens": ("int", 0),
+    "stop": ("stop", None),
+    "stop_token_ids": ("int_list", None),
+    "ignore_eos": ("bool", False),
+    "include_stop_str_in_output": ("bool", False),
+    "skip_special_tokens": ("bool", True),
+}
+
+
+class Body:
+    """Typed access to a JSON object body; see the module rules."""
+
+    def __init__(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        self.data = data
+
+    def has(self, name: str) -> bool:
+        return self.data.get(name) is not None
+
+    def get(self, name: str, kind: str, default: Any = None) -> Any:
+        value = self.data.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            return default
+        check, what = _KINDS[kind]
+        if not check(value):
+            raise bad_request(f"'{name}' must be {what}, got {type(value).__name__}", param=name)
+        return value
+
+
+@dataclass
+class CommonRequest:
+    """What both endpoints share after parsing."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    return_tokens_as_token_ids: bool = False
+
+
+@dataclass
+class CompletionRequest(CommonRequest):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+
+
+@dataclass
+class ChatRequest(CommonRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def parse_completion_request(data: Any) -> CompletionRequest:
+    """Parse and check a /v1/completions body (raises ApiError 400)."""
+    body = Body(data)
+    _reject_unsupported(body)
+    if body.has("suffix"):
+        raise bad_request("'suffix' is not supported", param="suffix")
+    logprobs = body.get("logprobs", "int")
+    explicit_null = "max_tokens" in body.data and body.data["max_tokens"] is None
+    max_tokens = None if explicit_null else body.get("max_tokens", "int", 16)
+    params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    common = _common(body, params)
+    return CompletionRequest(**common, prompts=_prompts(body), echo=body.get("echo", "bool", False))
+
+
+def parse_chat_request(data: Any) -> ChatRequest:
+    """Parse and check a /v1/chat/completions body (raises ApiError 400)."""
+    body = Body(data)
+    _reject_unsupported(body)
+    if body.get("tools", "list"):
+        raise bad_request("tool calling is not supported by this server", param="tools")
+    logprobs = body.get("logprobs", "bool", False)
+    top_logprobs = body.get("top_logprobs", "int")
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    max_tokens = body.get("max_completion_tokens", "int")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens", "int")
+    params = _sampling_params(body, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None)
+    template_kwargs = body.get("chat_template_kwargs", "dict", {})
+    return ChatRequest(**_common(body, params), messages=parse_messages(body),
+                       add_generation_prompt=body.get("add_generation_prompt", "bool", True),
+                       chat_template_kwargs=dict(template_kwargs), logprobs=logprobs,
+                       top_logprobs=top_logprobs or 0)
+
+
+def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int | None) -> SamplingParams:
+    """Check the prompt (+ max_tokens) against the context; fill in max_tokens None. ApiError 400."""
+    if max_model_len is None:
+        if params.max_tokens is None:
+            raise bad_request("'max_tokens' is required: the model's context length is not known yet")
+        return params
+    wanted = prompt_len + (params.max_tokens or 1)
+    if prompt_len >= max_model_len or wanted > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{wanted} tokens ({prompt_len} in the prompt, {wanted - prompt_len} in the completion). "
+            "Please reduce the length of the prompt or of the completion.",
+            param="max_tokens" if prompt_len < max_model_len else "prompt", code="context_length_exceeded")
+    if params.max_tokens is None:
+        return dataclasses.replace(params, max_tokens=max_model_len - prompt_len)
+    return params
+
+
+def _common(body: Body, params: SamplingParams) -> dict[str, Any]:
+    stream = body.get("stream", "bool", False)
+    options = body.get("stream_options", "dict")
+    if options is not None and not stream:
+        raise bad_request("'stream_options' can only be given with 'stream': true", param="stream_options")
+    include_usage = Body(options).get("include_usage", "bool", False) if options else False
+    return {"model": body.get("model", "str"), "params": params, "stream": stream,
+            "include_usage": include_usage, "user": body.get("user", "str"),
+            "return_tokens_as_token_ids": body.get("return_tokens_as_token_ids", "bool", False)}
+
+
+def _sampling_params(body: Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    values = {name: body.get(name, kind, default) for name, (kind, default) in _SAMPLING_FIELDS.items()}
+    seed = values["seed"]
+    if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
+        raise bad_request("'seed' must fit in a signed 64-bit integer", param="seed")
+    if any(t < 0 or t > _INT64_MAX for t in values["stop_token_ids"] or []):
+        raise bad_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+    best_of = body.get("best_of", "int")
+    if best_of is not None and best_of != values["n"]:
+        raise bad_request("'best_of' is not supported (only best_of == n)", param="best_of")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    try:
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e)) from e
+
+
+def _reject_unsupported(body: Body) -> None:
+    if body.get("logit_bias", "dict"):
+        raise bad_request("'logit_bias' is not supported", param="logit_bias")
+    response_format = body.get("response_format", "dict")
+    if response_format and response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+
+
+def _prompts(body: Body) -> list[str | list[int]]:
+    prompt = body.data.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if _is_str_list(prompt):
+            return list(prompt)
+        if _is_int_list(prompt):
+            return [list(prompt)]
+        if all(_is_int_list(p) and p for p in prompt):
+            return [list(p) for p in prompt]
+    raise bad_request("'prompt' must be a string, an array of strings, an array of token ids or an array of "
+                      "token-id arrays (non-empty)", param="prompt")
+
+
+def parse_messages(body: Body) -> list[dict[str, Any]]:
+    """The body's `messages`, checked, with text-part arrays joined into strings (ApiError 400)."""
+    messages = body.data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array of message objects", param="messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(message: Any, i: int) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_request(f"{param} must be an object with a string 'role'", param=param)
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(_text_part(part, f"{param}.content[{j}]") for j, part in enumerate(content))
+    elif content is not None and not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string, an array of text parts or null", param=param)
+    return {**message, "content": content}
+
+
+def _text_part(part: Any, param: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
+        raise bad_request(f"{param}: only text content parts are supported, got {part['type']!r}", param=param)
+    raise bad_request(f"{param} must be {{'type': 'text', 'text': str}}", param=param)
+

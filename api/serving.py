@@ -1,0 +1,212 @@
+"""Steps shared by /v1/completions and /v1/chat/completions: prompt checks, starting a generation,
+collecting it (non-streaming) or streaming it as server-sent events.
+
+Rules:
+- Everything that can be checked is checked before the engine sees the request: model name (404),
+  token ids in the vocabulary, prompt + max_tokens within the engines' max_model_len (400).
+- A run holds one in-flight slot per prompt from `start_run` until `Run.close()` (429 when full).
+- Streaming waits for the first delta before answering, so a request the engine rejects still gets
+  its 4xx/5xx status; after that, an error is an SSE error event followed by ``data: [DONE]``.
+- A client that goes away (a failed write ends the SSE generator; the socket probe notices it
+  between outputs) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Response
+
+from api.errors import ApiError, bad_request, from_engine_error, sse_error, unavailable
+from api.generation import ClientDisconnected, Generation, GenerationError, SequenceDelta
+from api.metrics import IN_FLIGHT, RequestRecorder
+from api.protocol import fit_to_context
+from api.state import ApiState
+from broker.errors import BrokerUnavailable, MessageError, NoEngineAvailable
+from broker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def check_model(state: ApiState, name: str | None) -> None:
+    if not state.config.accepts_model(name):
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def token_namer(state: ApiState, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids)."""
+    return (lambda token_id: f"token_id:{token_id}") if as_ids else state.tokenizer.token_text
+
+
+def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    """Tokenize a text prompt, or check a token-id prompt against the vocabulary (ApiError 400)."""
+    if isinstance(prompt, str):
+        ids = state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    else:
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt")
+        ids = list(prompt)
+    if not ids:
+        raise bad_request("the prompt is empty: at least one token is required", param="prompt")
+    return ids
+
+
+def fit_params(state: ApiState, prompts: list[list[int]], params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per prompt, checked against the context length (needs a ready engine)."""
+    vocab = state.tokenizer.vocab_size
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+    max_model_len = _max_model_len(state)
+    return [fit_to_context(params, len(ids), max_model_len) for ids in prompts]
+
+
+def _max_model_len(state: ApiState) -> int:
+    try:
+        return state.max_model_len()
+    except NoEngineAvailable as e:
+        raise unavailable(f"no engine is ready: {e}") from e
+    except BrokerUnavailable as e:
+        raise unavailable(f"the broker is unavailable: {e}", code="broker_unavailable") from e
+
+
+class Run:
+    """A started `Generation` and the in-flight slots it holds."""
+
+    def __init__(self, state: ApiState, slots: int) -> None:
+        self.state = state
+        self.generation: Generation | None = None
+        self._slots = slots
+
+    def close(self) -> None:
+        """Abort what still runs, record metrics, free the slots; idempotent."""
+        if self.generation is not None:
+            self.generation.close()
+        if self._slots:
+            self.state.limiter.release(self._slots)
+            IN_FLIGHT.labels(self.state.config.model_name).dec()
+            self._slots = 0
+
+
+def start_run(state: ApiState, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
+              is_disconnected: Callable[[], bool]) -> Run:
+    """Take the in-flight slots and submit every prompt; broker errors become ApiErrors."""
+    if len(prompts) > state.limiter.limit:
+        raise bad_request(f"at most {state.limiter.limit} prompts per request on this server", param="prompt")
+    state.limiter.acquire(len(prompts))
+    IN_FLIGHT.labels(state.config.model_name).inc()
+    run = Run(state, len(prompts))
+    try:
+        run.generation = Generation(state.client, state.tokenizer, prompts, params, request_id,
+                                    deadline=time.time() + state.config.request_timeout,
+                                    recorder=RequestRecorder(state.config.model_name),
+                                    is_disconnected=is_disconnected)
+        run.generation.start()
+    except NoEngineAvailable as e:
+        run.close()
+        raise unavailable(f"no engine is ready: {e}") from e
+    except BrokerUnavailable as e:
+        run.close()
+        raise unavailable(f"the broker is unavailable: {e}", code="broker_unavailable") from e
+    except MessageError as e:
+        run.close()
+        raise bad_request(f"the request cannot be encoded: {e}") from e
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a non-streamed answer."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def collect(run: Run) -> list[ChoiceResult]:
+    """Run to the end; the choices in index order. ApiError if the request failed."""
+    n = run.generation.params[0].n
+    choices = [ChoiceResult(i) for i in range(n * len(run.generation.prompts))]
+    try:
+        for delta in run.generation:
+            choice = choices[delta.index]
+            choice.text += delta.text
+            choice.token_ids += delta.token_ids
+            if delta.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + delta.logprobs
+            if delta.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+    except GenerationError as e:
+        raise from_engine_error(e.error) from e
+    finally:
+        run.close()
+    return choices
+
+
+def prefetched(run: Run) -> Iterator[SequenceDelta]:
+    """Wait for the first delta (so errors still become an HTTP status); all the deltas, the first included."""
+    events = iter(run.generation)
+    try:
+        first = next(events, None)
+    except GenerationError as e:
+        run.close()
+        raise from_engine_error(e.error) from e
+    except BaseException:
+        run.close()
+        raise
+    return itertools.chain([] if first is None else [first], events)
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_stream(run: Run, head: Iterable[dict[str, Any]], deltas: Iterable[SequenceDelta],
+               render: Callable[[SequenceDelta], list[dict[str, Any]]],
+               tail: Callable[[], list[dict[str, Any]]]) -> Iterator[str]:
+    """The SSE body: head chunks, one or more chunks per delta, tail chunks, then [DONE]."""
+    try:
+        for chunk in head:
+            yield sse(chunk)
+        for delta in deltas:
+            for chunk in render(delta):
+                yield sse(chunk)
+        for chunk in tail():
+            yield sse(chunk)
+        yield DONE
+    except GenerationError as e:
+        yield sse_error(from_engine_error(e.error))
+        yield DONE
+    except ClientDisconnected:
+        logger.info("request %s: client disconnected; aborted", run.generation.request_id)
+    except Exception:
+        logger.exception("request %s: failed while streaming", run.generation.request_id)
+        yield sse_error(ApiError(500, "internal error while streaming the response"))
+        yield DONE
+    finally:
+        run.close()
+
+
+def sse_response(body: Iterator[str]) -> Response:
+    return Response(body, mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def usage(run: Run) -> dict[str, int]:
+    prompt, completion = run.generation.prompt_tokens, run.generation.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,125 @@
+"""Per-process state of an API worker: broker client, engine registry reader, tokenizer, in-flight limit.
+
+Rules:
+- One `ApiState` per process, built after fork (gunicorn loads the app in each worker). The
+  `BrokerClient` and the registry's Redis connection are created on first use, so building the
+  state never touches Redis; `start()` (gunicorn's post_worker_init) subscribes early and `stop()`
+  (worker_exit) fails and ABORTs whatever is still in flight.
+- `InFlightLimiter` bounds this process's generation requests (one slot per prompt): over the
+  limit a request gets 429 with Retry-After instead of waiting.
+- `max_model_len()` is the smallest max_model_len among READY live engines (the one every engine
+  can serve); no such engine -> NoEngineAvailable (503).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from api.config import ApiConfig
+from api.errors import ApiError
+from api.tokenizer import ModelTokenizer
+from broker.client import BrokerClient
+from broker.connection import connect
+from broker.errors import NoEngineAvailable
+from broker.keys import EngineState, RedisKeys
+from broker.registry import EngineRegistry
+
+
+class InFlightLimiter:
+    """Counts this process's requests in flight; `acquire` raises ApiError 429 over the limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def acquire(self, slots: int = 1) -> None:
+        with self._lock:
+            if self._count + slots > self.limit:
+                raise ApiError(429, f"too many requests in flight on this server ({self._count}, limit "
+                                    f"{self.limit}); retry later", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
+            self._count += slots
+
+    def release(self, slots: int = 1) -> None:
+        with self._lock:
+            self._count = max(0, self._count - slots)
+
+
+class ApiState:
+    """Everything one API process shares between its request threads; see the module rules."""
+
+    def __init__(self, config: ApiConfig, tokenizer: ModelTokenizer | None = None,
+                 client: BrokerClient | None = None) -> None:
+        self.config = config
+        self.keys = RedisKeys(config.key_prefix)
+        self.tokenizer = tokenizer or ModelTokenizer(config.model)
+        self.limiter = InFlightLimiter(config.max_queued_requests)
+        self._client = client
+        self._registry: EngineRegistry | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> BrokerClient:
+        with self._lock:
+            if self._client is None:
+                self._client = BrokerClient(self.config.redis_url, self.keys)
+            return self._client
+
+    @property
+    def registry(self) -> EngineRegistry:
+        with self._lock:
+            if self._registry is None:
+                redis_client = connect(self.config.redis_url, retries=1, client_name="redserve-api-registry")
+                self._registry = EngineRegistry(redis_client, self.keys)
+            return self._registry
+
+    def start(self) -> None:
+        self.client.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            client = self._client
+        if client is not None:
+            client.stop()
+
+    def ready_engines(self) -> list[dict[str, Any]]:
+        return self.client.ready_engines()
+
+    def max_model_len(self) -> int:
+        lengths = [int(e["max_model_len"]) for e in self.ready_engines() if isinstance(e.get("max_model_len"), int)]
+        if not lengths:
+            raise NoEngineAvailable("no engine is ready to serve requests")
+        return min(lengths)
+
+    def live_engines(self) -> list[dict[str, Any]]:
+        """READY or DRAINING engines with a live heartbeat, read from Redis now (for /metrics)."""
+        return self.registry.live_engines((EngineState.READY, EngineState.DRAINING))
+
+
+def disconnect_probe(sock: socket.socket | None) -> Callable[[], bool]:
+    """A cheap check that the HTTP client closed its connection (peer sent FIN or reset).
+
+    Works on the raw socket gunicorn exposes as ``environ["gunicorn.socket"]``; without one (test
+    client) it always answers False. The request has been read, so readable data would be a
+    pipelined next request (not a close); only an orderly EOF or an error means "gone".
+    """
+    if sock is None:
+        return lambda: False
+
+    def is_disconnected() -> bool:
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    return is_disconnected

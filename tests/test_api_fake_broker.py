@@ -1,0 +1,434 @@
+"""The API layer over a scripted, in-process broker client: no Redis, no engine, no gunicorn.
+
+Covers `api.generation` (stop strings, n > 1, errors, disconnects) and the Flask app (shapes of
+answers, every error status, streaming errors) with the Flask test client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from api.app import create_app
+from api.config import ApiConfig
+from api.generation import ClientDisconnected, Generation, GenerationError
+from api.state import ApiState
+from api.tokenizer import ModelTokenizer
+from broker.errors import NoEngineAvailable
+from broker.messages import AddRequest, RequestOutput
+from broker.sampling_params import SamplingParams
+
+TEXT = "Hello world, this is a test. STOP here and more text follows"
+Script = Callable[[AddRequest], list[RequestOutput | None]]
+
+
+class FakeHandle:
+    """Mimics broker.request_handle.RequestHandle over a scripted list (None = nothing yet, forever)."""
+
+    def __init__(self, add: AddRequest, outputs: list[RequestOutput | None]) -> None:
+        self.request_id = add.request_id
+        self.n = add.params.get("n", 1)
+        self._outputs = deque(outputs)
+        self._finished_indices: set[int] = set()
+        self.aborted = False
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> RequestOutput | None:
+        if self.finished:
+            return None
+        if not self._outputs or self._outputs[0] is None:
+            time.sleep(min(timeout or 0.0, 0.01))
+            return None
+        out = self._outputs.popleft()
+        if out.finish_reason is not None:
+            self._finished_indices.add(out.index)
+        if out.error is not None or len(self._finished_indices) >= self.n:
+            self.finished = True
+        return out
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.finished = True
+
+    def close(self) -> None:
+        if not self.finished:
+            self.abort()
+
+
+class FakeClient:
+    """Mimics the parts of BrokerClient the API uses."""
+
+    def __init__(self, script: Script, max_model_len: int = 256) -> None:
+        self.script = script
+        self.max_model_len = max_model_len
+        self.ready = True
+        self.handles: list[FakeHandle] = []
+        self.submit_error: BaseException | None = None
+
+    def submit(self, add: AddRequest, engine_id: str | None = None) -> FakeHandle:
+        if self.submit_error is not None:
+            raise self.submit_error
+        if not self.ready:
+            raise NoEngineAvailable("no engine")
+        handle = FakeHandle(add, self.script(add))
+        self.handles.append(handle)
+        return handle
+
+    def ready_engines(self) -> list[dict[str, Any]]:
+        if not self.ready:
+            return []
+        return [{"engine_id": "0", "state": "ready", "max_model_len": self.max_model_len}]
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def token_script(tokens: list[int], finish: str = "length", logprobs: bool = False) -> Script:
+    """Each sequence emits `tokens` (up to max_tokens), one per output, sequences interleaved."""
+
+    def script(add: AddRequest) -> list[RequestOutput | None]:
+        n, limit = add.params["n"], add.params["max_tokens"]
+        mine = tokens[:limit]
+        outs: list[RequestOutput | None] = []
+        for k, token in enumerate(mine):
+            for i in range(n):
+                last = k == len(mine) - 1
+                entry = [[-0.5, 1, [token, 5], [-0.5, -1.5]]] if logprobs else None
+                outs.append(RequestOutput(add.request_id, i, [token], finish if last else None,
+                                          num_prompt_tokens=len(add.prompt_token_ids), logprobs=entry))
+        return outs
+
+    return script
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: str) -> ModelTokenizer:
+    return ModelTokenizer(tiny_llama_dir)
+
+
+@pytest.fixture
+def text_tokens(tokenizer: ModelTokenizer) -> list[int]:
+    return tokenizer.encode(TEXT)
+
+
+def make_app(tiny_llama_dir: str, tokenizer: ModelTokenizer, client: FakeClient, **config: Any):
+    cfg = ApiConfig(model=tiny_llama_dir, redis_url="redis://127.0.0.1:1/0", **config)
+    app = create_app(cfg, ApiState(cfg, tokenizer=tokenizer, client=client))
+    return app.test_client()
+
+
+def sse_events(response) -> list[Any]:
+    events = []
+    for block in response.get_data(as_text=True).split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# ----------------------------------------------------------------------------------------- Generation
+
+def run_generation(client: FakeClient, tokenizer: ModelTokenizer, params: SamplingParams, prompts=None, **kw):
+    gen = Generation(client, tokenizer, prompts or [[10, 11]], params, "req", poll_interval=0.02, **kw).start()
+    texts: dict[int, str] = {}
+    finish: dict[int, tuple] = {}
+    with gen:
+        for delta in gen:
+            texts[delta.index] = texts.get(delta.index, "") + delta.text
+            if delta.finish_reason is not None:
+                finish[delta.index] = (delta.finish_reason, delta.stop_reason)
+    return gen, texts, finish
+
+
+def test_generation_plain(tokenizer, text_tokens) -> None:
+    client = FakeClient(token_script(text_tokens))
+    gen, texts, finish = run_generation(client, tokenizer, SamplingParams(max_tokens=100))
+    assert texts == {0: TEXT} and finish == {0: ("length", None)}
+    assert gen.completion_tokens == len(text_tokens) and gen.prompt_tokens == 2
+    assert not client.handles[0].aborted
+
+
+def test_generation_stop_string_aborts_the_engine(tokenizer, text_tokens) -> None:
+    client = FakeClient(token_script(text_tokens))
+    gen, texts, finish = run_generation(client, tokenizer, SamplingParams(max_tokens=100, stop=["STOP"]))
+    assert texts == {0: "Hello world, this is a test. "} and finish == {0: ("stop", "STOP")}
+    assert client.handles[0].aborted
+    consumed = len(tokenizer.encode("Hello world, this is a test. STOP"))
+    assert gen.completion_tokens <= consumed + 1 < len(text_tokens)
+
+
+def test_generation_include_stop_str(tokenizer, text_tokens) -> None:
+    client = FakeClient(token_script(text_tokens))
+    params = SamplingParams(max_tokens=100, stop=["STOP"], include_stop_str_in_output=True)
+    _, texts, _ = run_generation(client, tokenizer, params)
+    assert texts == {0: "Hello world, this is a test. STOP"}
+
+
+def test_generation_stop_token_is_counted_but_not_shown(tokenizer, text_tokens) -> None:
+    def script(add: AddRequest) -> list[RequestOutput | None]:
+        outs: list[RequestOutput | None] = [RequestOutput(add.request_id, 0, [t]) for t in text_tokens[:3]]
+        return [*outs, RequestOutput(add.request_id, 0, [text_tokens[3]], "stop", stop_reason=text_tokens[3])]
+
+    for include, shown in ((False, 3), (True, 4)):
+        params = SamplingParams(max_tokens=100, stop_token_ids=[text_tokens[3]], include_stop_str_in_output=include)
+        gen, texts, finish = run_generation(FakeClient(script), tokenizer, params)
+        assert texts == {0: tokenizer.decode(text_tokens[:shown])}
+        assert finish == {0: ("stop", text_tokens[3])} and gen.completion_tokens == 4
+
+
+def test_generation_n2_aborts_only_when_every_choice_is_done(tokenizer, text_tokens) -> None:
+    stop_at = text_tokens.index(tokenizer.encode(" test")[0]) if tokenizer.encode(" test")[0] in text_tokens else 3
+
+    def script(add: AddRequest) -> list[RequestOutput | None]:
+        outs: list[RequestOutput | None] = []
+        for k, token in enumerate(text_tokens):
+            outs.append(RequestOutput(add.request_id, 0, [token]))
+            if k <= stop_at:
+                outs.append(RequestOutput(add.request_id, 1, [token], "length" if k == stop_at else None))
+        return outs
+
+    client = FakeClient(script)
+    _, texts, finish = run_generation(client, tokenizer, SamplingParams(max_tokens=100, n=2, stop=["STOP"]))
+    assert finish[0] == ("stop", "STOP") and finish[1] == ("length", None)
+    assert texts[0] == "Hello world, this is a test. "
+    assert client.handles[0].aborted
+
+
+def test_generation_several_prompts(tokenizer, text_tokens) -> None:
+    client = FakeClient(token_script(text_tokens[:4]))
+    gen, texts, finish = run_generation(client, tokenizer, SamplingParams(max_tokens=10, n=2),
+                                        prompts=[[1, 2], [3, 4, 5]])
+    assert sorted(texts) == [0, 1, 2, 3] and all(t == tokenizer.decode(text_tokens[:4]) for t in texts.values())
+    assert [h.request_id for h in client.handles] == ["req-0", "req-1"]
+    assert gen.prompt_tokens == 5 and gen.completion_tokens == 16
+
+
+def test_generation_error_output_raises(tokenizer) -> None:
+    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [], "error", error="invalid_request: bad")])
+    with pytest.raises(GenerationError) as info:
+        run_generation(client, tokenizer, SamplingParams())
+    assert info.value.error == "invalid_request: bad"
+
+
+def test_generation_disconnect_aborts(tokenizer) -> None:
+    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [10]), None])
+    with pytest.raises(ClientDisconnected):
+        run_generation(client, tokenizer, SamplingParams(), is_disconnected=lambda: True)
+    assert client.handles[0].aborted
+
+
+# ----------------------------------------------------------------------------------------- HTTP app
+
+def test_completion_response_shape(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)))
+    r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi there", "max_tokens": 5})
+    assert r.status_code == 200, r.get_json()
+    body = r.get_json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny-llama"
+    assert body["choices"][0]["text"] == tokenizer.decode(text_tokens[:5])
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt_len = len(tokenizer.encode("hi there"))
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5}
+
+
+def test_model_may_be_named_by_path(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)))
+    assert http.post("/v1/completions", json={"model": tiny_llama_dir, "prompt": "x"}).status_code == 200
+    assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_echo_and_logprobs(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens, logprobs=True)))
+    r = http.post("/v1/completions", json={"prompt": [10, 11], "max_tokens": 3, "echo": True, "logprobs": 1})
+    choice = r.get_json()["choices"][0]
+    prompt_text = tokenizer.decode([10, 11])
+    assert choice["text"] == prompt_text + tokenizer.decode(text_tokens[:3])
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 5
+    assert lp["token_logprobs"][:2] == [None, None] and lp["token_logprobs"][2:] == [-0.5] * 3
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][2] == len(tokenizer.token_text(10) + tokenizer.token_text(11))
+    assert tokenizer.token_text(text_tokens[0]) in lp["top_logprobs"][2]
+
+
+def test_chat_shapes(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens, logprobs=True)))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    r = http.post("/v1/chat/completions", json=body).get_json()
+    assert r["object"] == "chat.completion"
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": tokenizer.decode(text_tokens[:4])}
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and len(content[0]["top_logprobs"]) == 2 and content[0]["logprob"] == -0.5
+    events = sse_events(http.post("/v1/chat/completions", json={**body, "stream": True,
+                                                                 "stream_options": {"include_usage": True}}))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:-2])
+    assert text == tokenizer.decode(text_tokens[:4])
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_text_equals_non_streamed(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)))
+    body = {"prompt": "x", "max_tokens": 50, "n": 2, "stop": ["STOP"]}
+    whole = http.post("/v1/completions", json=body).get_json()
+    events = sse_events(http.post("/v1/completions", json={**body, "stream": True}))
+    for i in range(2):
+        streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"][0]["index"] == i)
+        assert streamed == whole["choices"][i]["text"] == "Hello world, this is a test. "
+        assert whole["choices"][i]["finish_reason"] == "stop" and whole["choices"][i]["stop_reason"] == "STOP"
+
+
+def test_api_key(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)), api_key="sekret")
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and r.get_json()["error"]["type"] == "authentication_error"
+    assert http.post("/v1/completions", json={"prompt": "x"},
+                     headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert http.post("/v1/completions", json={"prompt": "x"},
+                     headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert http.get("/health").status_code == 200
+    assert http.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("post", "/v1/nope", {}, 404),
+    ("get", "/v1/completions", None, 405),
+    ("post", "/v1/completions", {"model": "other", "prompt": "x"}, 404),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": "a"}, 400),
+    ("post", "/v1/completions", {"prompt": [5000]}, 400),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400),
+    ("post", "/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400),
+    ("post", "/v1/completions", {"prompt": ""}, 400),
+    ("post", "/v1/chat/completions", {"messages": []}, 400),
+    ("post", "/detokenize", {"tokens": [-1]}, 400),
+])
+def test_error_statuses(tiny_llama_dir, tokenizer, text_tokens, method, path, body, status) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)))
+    r = getattr(http, method)(path, json=body)
+    assert r.status_code == status
+    error = r.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_invalid_json_and_oversized_body(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)), max_body_bytes=2048)
+    for raw in (b"{not json", b'{"prompt": "x", "temperature": NaN}', b"\xff\xfe", b"", b"[" * 1500):
+        r = http.post("/v1/completions", data=raw, content_type="application/json")
+        assert r.status_code == 400, raw
+    r = http.post("/v1/completions", data=json.dumps({"prompt": "x" * 5000}), content_type="application/json")
+    assert r.status_code == 413 and "error" in r.get_json()
+
+
+def test_no_engine_is_503(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    client = FakeClient(token_script(text_tokens))
+    client.ready = False
+    http = make_app(tiny_llama_dir, tokenizer, client)
+    assert http.get("/health").status_code == 503
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.headers["Retry-After"]
+    client.ready = True
+    assert http.get("/health").status_code == 200
+
+
+def test_engine_rejection_before_streaming_keeps_its_status(tiny_llama_dir, tokenizer) -> None:
+    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [], "error", error="invalid_request: nope")])
+    http = make_app(tiny_llama_dir, tokenizer, client)
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert r.status_code == 400 and r.get_json()["error"]["message"] == "nope"
+
+
+def test_error_after_streaming_began_is_an_sse_event(tiny_llama_dir, tokenizer) -> None:
+    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [10]),
+                                     RequestOutput(add.request_id, 0, [], "error", error="engine_gone: gone")])
+    http = make_app(tiny_llama_dir, tokenizer, client)
+    r = http.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_gone"
+
+
+def test_too_many_in_flight_is_429(tiny_llama_dir, tokenizer) -> None:
+    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [10]), None])
+    http = make_app(tiny_llama_dir, tokenizer, client, max_queued_requests=1)
+    first = http.post("/v1/completions", json={"prompt": "x", "stream": True}, buffered=False)
+    assert first.status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    many = http.post("/v1/completions", json={"prompt": ["a", "b"]})
+    assert many.status_code == 400 and many.get_json()["error"]["param"] == "prompt"  # can never fit
+    first.close()  # the client goes away: the stream's generator closes and aborts
+    assert client.handles[0].aborted
+    client.script = token_script([10, 11])
+    assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_unexpected_errors_are_500_and_the_app_keeps_serving(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    client = FakeClient(token_script(text_tokens))
+    http = make_app(tiny_llama_dir, tokenizer, client)
+    client.submit_error = RuntimeError("boom")
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500 and r.get_json()["error"]["type"] == "server_error"
+    client.submit_error = None
+    assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_tokenize_and_detokenize(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens), max_model_len=77))
+    r = http.post("/tokenize", json={"prompt": TEXT, "return_token_strs": True}).get_json()
+    assert r["tokens"] == text_tokens and r["count"] == len(text_tokens) and r["max_model_len"] == 77
+    assert len(r["token_strs"]) == len(text_tokens)
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).get_json()
+    assert chat["tokens"][0] == 2  # <|im_start|>
+    assert http.post("/detokenize", json={"tokens": text_tokens}).get_json() == {"prompt": TEXT}
+
+
+def test_models_and_version(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens), max_model_len=77),
+                    served_model_names=["a", "b"])
+    data = http.get("/v1/models").get_json()["data"]
+    assert [m["id"] for m in data] == ["a", "b"] and data[0]["max_model_len"] == 77 and data[0]["root"]
+    assert http.get("/version").get_json()["version"]
+
+
+def test_concurrent_requests_share_one_state(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens)))
+    results: list[int] = []
+
+    def one() -> None:
+        results.append(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 8}).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 16
+
+
+def test_the_api_never_imports_torch(tiny_llama_dir) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import api.server\n"
+        "from api.app import create_app\n"
+        "from api.config import ApiConfig\n"
+        f"app = create_app(ApiConfig(model={tiny_llama_dir!r}, redis_url='redis://127.0.0.1:1/0'))\n"
+        "r = app.test_client().post('/tokenize', json={'messages': [{'role': 'user', 'content': 'hi'}]})\n"
+        "assert r.status_code == 200, r.get_data()\n"
+        "loaded = [m for m in ('torch', 'engine', 'worker') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
