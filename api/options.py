@@ -17,8 +17,10 @@ import os
 
 def add_api_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the API server's options to `parser` (a ``redserve api`` subparser or a plain parser)."""
-    parser.add_argument("--model", required=True,
-                        help="Hugging Face model directory: its tokenizer and chat template are used here")
+    model = os.environ.get("REDSERVE_MODEL")
+    parser.add_argument("--model", required=model is None, default=model,
+                        help="Hugging Face model directory: its tokenizer and chat template are used here "
+                             "(default: $REDSERVE_MODEL)")
     parser.add_argument("--served-model-name", default=None, nargs="+",
                         help="model name(s) clients use (default: the basename of --model)")
     parser.add_argument("--redis-url", default=os.environ.get("REDSERVE_REDIS_URL"),

@@ -16,10 +16,19 @@ deployments share one Redis. Layout, for prefix "rs" (all inspectable with plain
     rs:clients                 set      ids of clients that have started
     rs:lb                      hash     coordinator load snapshot: engine id -> JSON
                                         {"waiting", "running", "kv_usage", "step", "ts"}
-    rs:wave                    string   DP wave counter (INCR)
-    rs:coordinator:lock        string   SET NX EX lock held by the active coordinator
-    rs:batch:{id}              hash     batch job state (Celery)
-    rs:batch:{id}:items        list     batch job items (Celery)
+    rs:wave                    string   DP wave counter: waves below it are complete (coordinator)
+    rs:coordinator:lock        string   SET NX PX lock held by the active coordinator (its id)
+    rs:coordinator             hash     the active coordinator: coordinator_id, host, pid,
+                                        active_since, lockstep, lb_written_at
+    rs:batch:{id}              hash     batch job state: status, total, completed, failed, chunk_size,
+                                        num_chunks, created_at, progress_at, completed_at, expires_at, input_file
+    rs:batch:{id}:items        list     the batch's input lines, one per item, in file order
+    rs:batch:{id}:results      hash     item index -> its output line (JSON), written once (HSETNX)
+    rs:batch:{id}:claims       hash     item index -> client id of the worker generating it now
+    rs:batches                 set      ids of batches in progress
+    rs:batches:sweeper         string   SET NX PX lock: the batch sweeper that ran last (rate limit)
+    rs:celery:*                -        Celery's broker queues and result backend (kombu's
+                                        global_keyprefix; queue `batch`)
 
 Ids (engine, client, batch) must be non-empty and contain no ':' or whitespace, so that no two
 names can collide (an engine called "x:alive" would alias the heartbeat of engine "x").
@@ -97,8 +106,27 @@ class RedisKeys:
     def coordinator_lock(self) -> str:
         return f"{self.prefix}:coordinator:lock"
 
+    def coordinator(self) -> str:
+        return f"{self.prefix}:coordinator"
+
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{check_id('batch', batch_id)}"
 
     def batch_items(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{check_id('batch', batch_id)}:items"
+
+    def batch_results(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{check_id('batch', batch_id)}:results"
+
+    def batch_claims(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{check_id('batch', batch_id)}:claims"
+
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    def batch_sweeper_lock(self) -> str:
+        return f"{self.prefix}:batches:sweeper"
+
+    def celery(self) -> str:
+        """The global key prefix of Celery's broker and result-backend keys (ends with ':')."""
+        return f"{self.prefix}:celery:"

@@ -7,6 +7,10 @@ Threads (as vLLM's EngineCoreProc):
 3. output thread: one pipeline per step: one PUBLISH per client with all its new tokens, the XACKs
    of finished requests, the stats. A client with no subscriber is gone: its requests are aborted.
 
+Data parallelism: ``engine.dp_wave.DpWaves`` keeps this engine's wave (START_DP_WAVE to the others
+when it gets work outside a running wave) and runs lockstep dummy steps; the busy loop flushes the
+stats as soon as the wave state changes, and the output thread sends StartWave after them.
+
 Lifecycle: register (starting) -> heartbeat -> load the model -> READY. SIGTERM/SIGINT drain: state
 DRAINING (clients stop routing here), requests in flight finish, or are aborted with an error after
 ``drain_timeout``; then deregister and exit 0. A failure inside a step fails every request in
@@ -41,6 +45,7 @@ from broker.registry import EngineHeartbeat, EngineRegistry
 from broker.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.dp_wave import IDLE_WAIT, DpWaves
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ class StepBatch:
     by_client: dict[str, EngineOutputs] = field(default_factory=dict)
     ack_ids: list[str] = field(default_factory=list)
     stats: dict | None = None
+    start_wave: StartWave | None = None
 
     def add(self, engine_id: str, client_id: str, output: RequestOutput) -> None:
         self._outputs(engine_id, client_id).outputs.append(output)
@@ -80,7 +86,8 @@ class StepBatch:
 
 class EngineServer:
     def __init__(self, config: EngineConfig, redis_url: str, dp_rank: int = 0, engine_id: str | None = None,
-                 key_prefix: str = "rs", heartbeat_ttl: float = 5.0, drain_timeout: float = 30.0):
+                 key_prefix: str = "rs", heartbeat_ttl: float = 5.0, drain_timeout: float = 30.0,
+                 dp_lockstep: bool = False):
         self.config = config
         self.dp_rank = dp_rank
         self.engine_id = engine_id or str(dp_rank)
@@ -98,6 +105,7 @@ class EngineServer:
         self.stop_event = threading.Event()
         self.draining_since: float | None = None
         self.core: EngineCore | None = None
+        self.waves = DpWaves(self.redis, self.keys, self.engine_id, lockstep=dp_lockstep)
         self._last_stats = 0.0
         self._last_deadline_check = 0.0
 
@@ -110,7 +118,7 @@ class EngineServer:
             return 1
         self.reader.reset()
         self.registry.register(self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
-                                                "model": self.config.model})
+                                                "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl})
         heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl).start()
         try:
             self.core = EngineCore(self.config)
@@ -119,6 +127,7 @@ class EngineServer:
             heartbeat.stop()
             self.registry.deregister(self.engine_id)
             return 1
+        self.waves.load()
         self.registry.mark_ready(self.engine_id, self.core.num_kv_blocks, self.config.block_size,
                                  self.core.max_model_len)
         logger.info("engine %s READY: %d KV blocks of %d tokens, max_model_len %d", self.engine_id,
@@ -164,6 +173,8 @@ class EngineServer:
             if batch is None:
                 return
             receivers = self.publisher.publish(batch.by_client, batch.ack_ids, batch.stats)
+            if batch.start_wave is not None:
+                self.waves.notify_others(batch.start_wave)
             gone = [c for c, n in receivers.items() if n == 0]
             if gone:
                 self.input_queue.put((_CLIENT_GONE, gone))
@@ -176,7 +187,7 @@ class EngineServer:
                 self.registry.set_state(self.engine_id, EngineState.DRAINING)
                 announced_drain = True
             batch = StepBatch()
-            self._drain_input(batch, block=not core.has_unfinished_requests())
+            self._drain_input(batch, block=not core.has_unfinished_requests(), timeout=self.waves.idle_wait())
             if self.draining_since is not None:
                 if not core.has_unfinished_requests() and self.input_queue.empty():
                     self._flush(batch, force_stats=True)
@@ -186,14 +197,21 @@ class EngineServer:
                     self._flush(batch, force_stats=True)
                     return
             self._expire_deadlines(batch)
-            if core.has_unfinished_requests():
+            busy = core.has_unfinished_requests()
+            batch.start_wave = self.waves.update(busy)
+            if self.waves.take_changed():
+                self._flush(batch, force_stats=True)  # before the step: the coordinator sees the wave state now
+                batch = StepBatch()
+            if busy:
                 for out in core.step():
                     self._emit(batch, out)
+            elif self.waves.dummy_step_due(busy):
+                self.waves.dummy_step(core.executor)
             self._flush(batch)
 
-    def _drain_input(self, batch: StepBatch, block: bool) -> None:
+    def _drain_input(self, batch: StepBatch, block: bool, timeout: float = IDLE_WAIT) -> None:
         try:
-            item = self.input_queue.get(timeout=0.5) if block else self.input_queue.get_nowait()
+            item = self.input_queue.get(timeout=timeout) if block else self.input_queue.get_nowait()
         except queue.Empty:
             return
         while item is not None or not self.input_queue.empty():
@@ -220,7 +238,7 @@ class EngineServer:
         elif isinstance(msg, UtilityCall):
             batch.add_utility(self.engine_id, msg.client_id, self._call_utility(msg))
         elif isinstance(msg, StartWave):
-            pass
+            self.waves.on_start_wave(msg)
 
     def _add(self, batch: StepBatch, message_id: str, msg: AddRequest) -> None:
         if msg.request_id in self.in_flight:
@@ -277,7 +295,8 @@ class EngineServer:
         return {"waiting": s.num_waiting, "running": s.num_running, "kv_usage": round(s.kv_usage, 4),
                 "num_steps": s.steps, "generated_tokens": s.generated_tokens, "prompt_tokens": s.prompt_tokens,
                 "num_preemptions": s.num_preemptions,
-                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4)}
+                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), "stats_at": round(time.time(), 3),
+                **self.waves.fields()}
 
     def _flush(self, batch: StepBatch, force_stats: bool = False) -> None:
         now = time.monotonic()

@@ -11,18 +11,21 @@ import sys
 
 def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the tiny test model)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    env = os.environ.get  # REDSERVE_<FLAG> environment defaults (docker-compose.yml sets them)
+    g.add_argument("--model", default=env("REDSERVE_MODEL"),
+                   help="Hugging Face model directory (default: $REDSERVE_MODEL, else the tiny test model)")
+    g.add_argument("--dtype", default=env("REDSERVE_DTYPE", "auto"),
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=env("REDSERVE_DEVICE", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=env("REDSERVE_MAX_MODEL_LEN") or None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes on CPU (default 1 GiB)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--gpu-memory-utilization", type=float, default=env("REDSERVE_GPU_MEMORY_UTILIZATION", 0.85))
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=env("REDSERVE_TENSOR_PARALLEL_SIZE", 1))
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -60,9 +63,29 @@ def cmd_engine(args: argparse.Namespace) -> int:
     set_title(f"redserve-engine-{args.dp_rank}")
     server = EngineServer(engine_config_from_args(args), args.redis_url, dp_rank=args.dp_rank,
                           engine_id=args.engine_id, key_prefix=args.key_prefix,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout, heartbeat_ttl=args.heartbeat_ttl,
+                          dp_lockstep=args.dp_lockstep)
     server.install_signal_handlers()
     return server.run()
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from engine.coordinator import run_from_args
+    if not args.redis_url:
+        sys.exit("redserve coordinator: --redis-url (or REDSERVE_REDIS_URL) is required")
+    return run_from_args(args)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from redserve.status import run_from_args
+    if not args.redis_url:
+        sys.exit("redserve status: --redis-url (or REDSERVE_REDIS_URL) is required")
+    return run_from_args(args)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from api.batch.cli import run_batch
+    return run_batch(args)
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -100,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"))
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--dp-lockstep", action="store_true",
+                   help="idle engines run dummy steps while any engine has work (set by the coordinator)")
+    p.add_argument("--no-batch-worker", action="store_true", help="do not start a batch (Celery) worker")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run one engine (a DP rank); may run headless on another node")
@@ -109,12 +135,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-id", default=None, help="id in Redis (default: the DP rank)")
     p.add_argument("--headless", action="store_true", help="no API on this node (engines never run one)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--heartbeat-ttl", type=float, default=5.0,
+                   help="seconds without a heartbeat after which clients and the coordinator take this engine for dead")
+    p.add_argument("--dp-lockstep", action="store_true",
+                   help="run dummy steps while idle in a running DP wave (also on when the coordinator says so)")
     p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("coordinator", help="run the DP coordinator (load snapshot, waves, engine liveness); "
+                                           "run several: one is active, the others stand by")
+    _add_redis_args(p)
+    p.add_argument("--dp-lockstep", action="store_true",
+                   help="tell engines to run dummy steps while idle in a running wave")
+    p.add_argument("--lock-ttl", type=float, default=3.0,
+                   help="seconds a standby waits after the active coordinator stops renewing its lock")
+    p.add_argument("--coordinator-id", default=None, help="id in Redis (default: host-pid-random)")
+    p.set_defaults(func=cmd_coordinator)
+
+    p = sub.add_parser("status", help="show engines, load, waves, request streams and clients from Redis")
+    _add_redis_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("api", help="run the OpenAI-compatible HTTP API (gunicorn + Flask)")
     from api.options import add_api_arguments
     add_api_arguments(p)
     p.set_defaults(func=cmd_api)
+
+    p = sub.add_parser("batch", help="batch jobs (OpenAI batch files) run by Celery workers")
+    from api.batch.cli import add_batch_arguments
+    add_batch_arguments(p)
+    p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF model directory")
     from engine.tiny_model import add_arguments

@@ -1,15 +1,20 @@
 """``redserve serve``: a whole single-node stack from one command.
 
-Starts an embedded Redis when no ``--redis-url`` is given, then the engines (one process per DP rank)
-and the API (gunicorn), each as a child process that dies with this launcher (PR_SET_PDEATHSIG).
-Ctrl-C / SIGTERM stops the API first, then drains the engines, then Redis; no orphan is left.
+Starts an embedded Redis when no ``--redis-url`` is given, then the DP coordinator, the engines (one
+process per DP rank), the API (gunicorn) and a batch worker (Celery; not with ``--no-batch-worker``), each
+as a child process that dies with this launcher (PR_SET_PDEATHSIG). Ctrl-C / SIGTERM stops the API and
+the batch worker first, then drains the engines, then stops the coordinator and Redis; no orphan is left.
+While it runs, `redserve.stack_state` records its Redis URL so ``redserve batch`` commands find it.
 If a child dies on its own, the whole stack stops and the exit code says so.
+DP engines on this one node share its cores: each gets ``OMP_NUM_THREADS`` = cores / DP size (unless
+the variable is set already), so N engines do not run N x cores torch threads on the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +24,7 @@ import urllib.request
 from broker.redis_server import EmbeddedRedis, pdeathsig_preexec
 from redserve.cli import resolve_model
 from redserve.proctitle import set_title
+from redserve.stack_state import StackState, remove_stack_state, write_stack_state
 
 logger = logging.getLogger("redserve.stack")
 
@@ -56,11 +62,14 @@ class Stack:
             args.redis_url = self.redis.url
             logger.info("started embedded Redis at %s (redis-cli -p %s)", args.redis_url, self.redis.port)
         common = ["--redis-url", args.redis_url, "--key-prefix", args.key_prefix, "--log-level", args.log_level]
+        self._spawn("coordinator", _cli("--log-level", args.log_level, "coordinator", *common[:4],
+                                        *(["--dp-lockstep"] if args.dp_lockstep else [])))
         for rank in range(args.data_parallel_size):
             self._spawn(f"engine-{rank}", _cli("--log-level", args.log_level, "engine", "--model", args.model,
                                               "--dp-rank", str(rank), "--redis-url", args.redis_url,
                                               "--key-prefix", args.key_prefix,
-                                              *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES)))
+                                              *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES)),
+                        env=self._engine_env())
         api = ["api", "--model", args.model, "--host", args.host, "--port", str(args.port),
                "--workers", str(args.api_workers), "--max-queued-requests", str(args.max_queued_requests)]
         if args.api_key:
@@ -68,9 +77,19 @@ class Stack:
         if args.served_model_name:
             api += ["--served-model-name", args.served_model_name]
         self._spawn("api", _cli("--log-level", args.log_level, *api, *common[:4]))
+        names = [args.served_model_name] if args.served_model_name else []
+        if not args.no_batch_worker:
+            self._spawn("batch", _cli("--log-level", args.log_level, "batch", "worker", "--model", args.model,
+                                      *common[:4], *(["--served-model-name", *names] if names else [])))
+        write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names))
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        proc = subprocess.Popen(argv, preexec_fn=pdeathsig_preexec(), stdin=subprocess.DEVNULL)
+    def _engine_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.args.data_parallel_size)))
+        return env
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        proc = subprocess.Popen(argv, preexec_fn=pdeathsig_preexec(), stdin=subprocess.DEVNULL, env=env)
         self.children.append((name, proc))
 
     def wait_ready(self, timeout: float = 600.0) -> bool:
@@ -105,7 +124,8 @@ class Stack:
 
     def stop(self) -> None:
         self.stopping = True
-        for group in (["api"], [n for n, _ in self.children if n != "api"]):
+        engines = [n for n, _ in self.children if n.startswith("engine-")]
+        for group in (["api", "batch"], engines, ["coordinator"]):
             procs = [p for n, p in self.children if n in group and p.poll() is None]
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -116,6 +136,7 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        remove_stack_state()
         if self.redis is not None:
             self.redis.stop()
 

@@ -1,0 +1,77 @@
+"""Answers one batch request exactly as the HTTP API answers it, non-streaming.
+
+Rules:
+- The request goes through the API's own handlers (`api.completions.create_completion`,
+  `api.chat.create_chat_completion`) with this process's `ApiState` (its `BrokerClient`, tokenizer
+  and in-flight limiter), inside a Flask app context (for `jsonify`) but with no HTTP request: the
+  status code and JSON body are what the endpoint would send.
+- `ApiError` becomes its status and OpenAI error body, as the app's error handler does; any other
+  exception a 500 with the same message the app gives (and a log line with the traceback).
+- Transient answers (429 in-flight limit, 503 no engine ready / broker unavailable / engine gone)
+  are retried with backoff (0.5 s doubling to 10 s) for up to `retry_for` seconds, then returned:
+  a batch outlives short outages instead of failing every item at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Response
+
+from api.batch.records import BatchRequest
+from api.chat import create_chat_completion
+from api.completions import create_completion
+from api.errors import ApiError
+from api.state import ApiState
+
+logger = logging.getLogger(__name__)
+
+TRANSIENT = frozenset({429, 503})
+
+Handler = Callable[[ApiState, Any, Callable[[], bool]], Response]
+_HANDLERS: dict[str, Handler] = {"/v1/completions": create_completion,
+                                 "/v1/chat/completions": create_chat_completion}
+
+
+def _still_connected() -> bool:
+    return False
+
+
+class ItemRunner:
+    """Runs batch requests through the API handlers; see the module rules. Thread-safe."""
+
+    def __init__(self, state: ApiState, retry_for: float = 300.0) -> None:
+        self.state = state
+        self.retry_for = retry_for
+        self.app = Flask("redserve.batch")
+        self.app.json.sort_keys = False
+
+    def run(self, request: BatchRequest) -> tuple[int, dict[str, Any]]:
+        """The endpoint's (status code, JSON body) for `request`, after retrying transient answers."""
+        give_up = time.monotonic() + self.retry_for
+        delay = 0.5
+        while True:
+            status, body = self.answer(request)
+            if status not in TRANSIENT or time.monotonic() + delay > give_up:
+                return status, body
+            logger.info("batch item %s: %d (%s); retrying in %.1fs", request.custom_id, status,
+                        body.get("error", {}).get("message"), delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    def answer(self, request: BatchRequest) -> tuple[int, dict[str, Any]]:
+        """One try: the endpoint's (status code, JSON body)."""
+        handler = _HANDLERS[request.url]
+        with self.app.app_context():
+            try:
+                response = handler(self.state, request.body, _still_connected)
+                return response.status_code, response.get_json()
+            except ApiError as e:
+                return e.status, e.body()
+            except Exception as e:
+                logger.exception("batch item %s failed on %s", request.custom_id, request.url)
+                error = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
+                return error.status, error.body()

@@ -1,0 +1,152 @@
+"""``redserve status``: what a running deployment looks like in Redis, in one screen.
+
+Reads only (never writes): the coordinator (lock holder, lock TTL, `rs:coordinator`), the wave,
+every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL left, wave, request
+stream length and pending count, its `rs:lb` entry), engines recently declared dead (their hashes are
+kept a while), and the clients (API processes, Celery workers) with their heartbeats.
+`--json` prints the same as one JSON object. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from typing import Any
+
+import redis
+
+from broker.keys import RedisKeys
+from broker.load_balance import read_lb_snapshot
+from broker.registry import EngineRegistry, decode_fields
+
+
+def collect_status(r: redis.Redis, keys: RedisKeys) -> dict[str, Any]:
+    """Everything `redserve status` shows, as plain data."""
+    now = time.time()
+    p = r.pipeline(transaction=False)
+    p.get(keys.coordinator_lock())
+    p.pttl(keys.coordinator_lock())
+    p.hgetall(keys.coordinator())
+    p.get(keys.wave())
+    lock_holder, lock_pttl, coordinator, wave = p.execute()
+    engines = EngineRegistry(r, keys).all_engines()
+    lb = read_lb_snapshot(r, keys)
+    _add_engine_details(r, keys, engines, lb, now)
+    return {
+        "prefix": keys.prefix,
+        "coordinator": {
+            "holder": lock_holder.decode() if lock_holder else None,
+            "lock_ttl_s": round(lock_pttl / 1000, 2) if lock_pttl and lock_pttl > 0 else None,
+            **decode_fields(coordinator),
+        },
+        "wave": int(wave or 0),
+        "engines": engines,
+        "dead_engines": _dead_engines(r, keys, {e["engine_id"] for e in engines}),
+        "clients": _clients(r, keys),
+    }
+
+
+def _add_engine_details(r: redis.Redis, keys: RedisKeys, engines: list[dict], lb: dict, now: float) -> None:
+    p = r.pipeline(transaction=False)
+    for e in engines:
+        p.pttl(keys.engine_alive(e["engine_id"]))
+        p.xlen(keys.request_stream(e["engine_id"]))
+        p.xpending(keys.request_stream(e["engine_id"]), keys.consumer_group)
+    replies = p.execute(raise_on_error=False)
+    for i, e in enumerate(engines):
+        pttl, length, pending = replies[3 * i: 3 * i + 3]
+        ttl = e.get("heartbeat_ttl")
+        left = pttl / 1000 if isinstance(pttl, int) and pttl > 0 else None
+        e["heartbeat_ttl_left_s"] = None if left is None else round(left, 2)
+        e["heartbeat_age_s"] = None if left is None or not isinstance(ttl, (int, float)) else round(ttl - left, 2)
+        e["stream_len"] = length if isinstance(length, int) else 0
+        e["pending"] = int(pending["pending"]) if isinstance(pending, dict) else 0
+        load = lb.get(e["engine_id"])
+        e["lb"] = None if load is None else {"waiting": load.waiting, "running": load.running,
+                                             "kv_usage": load.kv_usage, "age_s": round(now - load.ts, 2)}
+
+
+def _dead_engines(r: redis.Redis, keys: RedisKeys, registered: set[str]) -> list[dict[str, Any]]:
+    pattern = keys.engine("*")
+    found = []
+    for raw in r.scan_iter(match=pattern, _type="HASH", count=500):
+        engine_id = raw.decode()[len(pattern) - 1:]
+        if engine_id in registered:
+            continue
+        info = decode_fields(r.hgetall(raw))
+        if info:
+            found.append({"engine_id": engine_id, "state": info.get("state"), "host": info.get("host"),
+                          "pid": info.get("pid"), "dead_at": info.get("dead_at")})
+    return sorted(found, key=lambda d: d["engine_id"])
+
+
+def _clients(r: redis.Redis, keys: RedisKeys) -> list[dict[str, Any]]:
+    ids = sorted(m.decode() for m in r.smembers(keys.clients()))
+    p = r.pipeline(transaction=False)
+    for client_id in ids:
+        p.get(keys.client_alive(client_id))
+        p.pttl(keys.client_alive(client_id))
+    replies = p.execute() if ids else []
+    return [{"client_id": c, "alive": value is not None, "info": value.decode() if value else None,
+             "heartbeat_ttl_left_s": round(pttl / 1000, 2) if pttl > 0 else None}
+            for c, value, pttl in zip(ids, replies[0::2], replies[1::2], strict=True)]
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    cells = [header] + [["-" if v is None else str(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """The human-readable screen."""
+    c = s["coordinator"]
+    if c["holder"]:
+        coord = (f"{c['holder']} (pid {c.get('pid', '?')} on {c.get('host', '?')}), lock TTL {c['lock_ttl_s']}s, "
+                 f"lockstep {'on' if c.get('lockstep') == 1 else 'off'}")
+        if isinstance(c.get("lb_written_at"), (int, float)):
+            coord += f", rs:lb written {time.time() - c['lb_written_at']:.1f}s ago"
+    else:
+        coord = "none active (no lock holder): rs:lb and rs:wave are not being updated"
+    lines = [f"prefix {s['prefix']!r}   wave {s['wave']}", f"coordinator: {coord}", "",
+             f"engines ({len(s['engines'])}):"]
+    rows = []
+    for e in s["engines"]:
+        hb = "expired" if e["heartbeat_ttl_left_s"] is None else (
+            f"{e['heartbeat_age_s']}s/{e.get('heartbeat_ttl')}s" if e["heartbeat_age_s"] is not None
+            else f"{e['heartbeat_ttl_left_s']}s left")
+        wave = f"{e.get('wave', '-')}{'*' if e.get('wave_running') == 1 else ''}"
+        rows.append([e["engine_id"], e.get("state"), "yes" if e["alive"] else "NO", f"{e.get('host')}/{e.get('pid')}",
+                     e.get("waiting", 0), e.get("running", 0), e.get("kv_usage", 0.0), e.get("num_steps", 0),
+                     e.get("generated_tokens", 0), hb, wave, e["stream_len"], e["pending"],
+                     "-" if e["lb"] is None else f"{e['lb']['waiting']}/{e['lb']['running']} ({e['lb']['age_s']}s)"])
+    lines += _table(["id", "state", "alive", "host/pid", "waiting", "running", "kv", "steps", "gen_tokens",
+                     "heartbeat age/ttl", "wave", "stream", "pending", "lb w/r (age)"], rows)
+    lines.append("  (wave*: the engine is in a running wave; stream = XLEN, pending = XPENDING: requests in flight)")
+    if s["dead_engines"]:
+        lines += ["", f"dead engine records ({len(s['dead_engines'])}):"]
+        lines += _table(["id", "state", "host/pid", "dead_at"],
+                        [[d["engine_id"], d["state"], f"{d['host']}/{d['pid']}", d["dead_at"]] for d in s["dead_engines"]])
+    lines += ["", f"clients ({sum(c['alive'] for c in s['clients'])} alive of {len(s['clients'])}):"]
+    lines += _table(["id", "alive", "host pid", "heartbeat ttl left"],
+                    [[c["client_id"], "yes" if c["alive"] else "NO", c["info"], c["heartbeat_ttl_left_s"]]
+                     for c in s["clients"]])
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from broker.connection import connect
+    client = connect(args.redis_url, retries=1)
+    try:
+        status = collect_status(client, RedisKeys(args.key_prefix))
+    except redis.RedisError as e:
+        print(f"redserve status: cannot read Redis at {args.redis_url}: {e}")
+        return 1
+    finally:
+        client.close()
+    status["redis_url"] = args.redis_url
+    with contextlib.suppress(BrokenPipeError):  # `redserve status | head`
+        print(json.dumps(status, default=str) if args.json else f"redis {args.redis_url}   " + format_status(status))
+    return 0

@@ -1,0 +1,204 @@
+"""docker-compose.yml and the Dockerfile, checked without Docker.
+
+The compose file must parse, every service's command must be a real ``redserve`` subcommand with
+valid flags (parsed by `redserve.cli.build_parser` with the service's environment), every REDSERVE_*
+variable it sets must be one the code reads, and the same commands, started as local processes
+(embedded Redis in place of the redis service), must serve a request and a small batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from stack_procs import Procs, engine_ready, free_port, title, wait_for
+
+from broker.keys import RedisKeys
+from broker.redis_server import EmbeddedRedis
+from redserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
+REDSERVE_SERVICES = {"coordinator", "engine-0", "engine-1", "api", "batch-worker"}
+_VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's variable substitution (${VAR}, ${VAR:-default}, ${VAR-default}) over a parsed file."""
+    if isinstance(value, str):
+        def sub(m: re.Match) -> str:
+            name, op, default = m["name"], m["op"], m["default"] or ""
+            if op == ":-":
+                return env.get(name) or default
+            if op == "-":
+                return env.get(name, default)
+            return env.get(name, "")
+
+        return _VAR.sub(sub, value)
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    return value
+
+
+def load(path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    return interpolate(yaml.safe_load(path.read_text()), env or {})
+
+
+def parse_command(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
+    """The argparse namespace of a service's command, parsed with the service's environment."""
+    argv = service["command"]
+    assert argv[0] == "redserve", f"{argv} does not run the redserve entry point"
+    for name, value in service.get("environment", {}).items():
+        monkeypatch.setenv(name, str(value))
+    try:
+        return build_parser().parse_args(argv[1:])
+    except SystemExit as e:
+        raise AssertionError(f"invalid command {argv}") from e
+
+
+def test_compose_file_has_the_stack() -> None:
+    compose = load(COMPOSE)
+    services = compose["services"]
+    assert set(services) == {"redis", *REDSERVE_SERVICES}
+    assert services["redis"]["healthcheck"]["test"][-1] == "ping"
+    assert services["engine-1"]["profiles"] == ["dp2"] and "profiles" not in services["engine-0"]
+    for name in REDSERVE_SERVICES:
+        service = services[name]
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert service["environment"]["REDSERVE_REDIS_URL"] == "redis://redis:6379/0"
+        assert service["environment"]["REDSERVE_MODEL"] == "/models/model"
+        assert "./models:/models:ro" in service["volumes"]
+    assert services["api"]["ports"] == ["8000:8000"]
+    assert services["engine-0"]["environment"]["REDSERVE_TENSOR_PARALLEL_SIZE"] == "1"
+    custom = load(COMPOSE, {"REDSERVE_MODEL_DIR": "/srv/m", "REDSERVE_TENSOR_PARALLEL_SIZE": "4"})["services"]
+    assert custom["engine-1"]["environment"]["REDSERVE_TENSOR_PARALLEL_SIZE"] == "4"
+    assert "/srv/m:/models:ro" in custom["api"]["volumes"]
+
+
+def test_every_command_is_a_valid_redserve_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = load(COMPOSE, {"REDSERVE_TENSOR_PARALLEL_SIZE": "2", "REDSERVE_DTYPE": "bfloat16"})["services"]
+    expected = {"coordinator": "coordinator", "engine-0": "engine", "engine-1": "engine", "api": "api",
+                "batch-worker": "batch"}
+    parsed = {}
+    for name in REDSERVE_SERVICES:
+        with monkeypatch.context() as m:
+            parsed[name] = args = parse_command(services[name], m)
+        assert args.command == expected[name]
+        assert args.redis_url == "redis://redis:6379/0", name
+    for rank in (0, 1):
+        engine = parsed[f"engine-{rank}"]
+        assert (engine.dp_rank, engine.tensor_parallel_size, engine.dtype) == (rank, 2, "bfloat16")
+        assert engine.model == "/models/model"
+    assert (parsed["api"].model, parsed["api"].host, parsed["api"].port) == ("/models/model", "0.0.0.0", 8000)
+    assert parsed["batch-worker"].batch_command == "worker" and parsed["batch-worker"].concurrency == 2
+    assert parsed["batch-worker"].model == "/models/model"
+
+
+def test_compose_variables_are_read_by_the_code() -> None:
+    readers = ["redserve/cli.py", "api/options.py", "api/batch/cli.py", "api/batch/tasks.py"]
+    source = "".join((ROOT / path).read_text() for path in readers)
+    text = COMPOSE.read_text()
+    environment = {name for service in load(COMPOSE)["services"].values()
+                   for name in service.get("environment", {})}
+    used = {name for name in environment if name.startswith("REDSERVE_")}
+    used |= {m["name"] for m in _VAR.finditer(text) if m["name"] in environment}
+    assert used, "the compose file sets no REDSERVE_* variable"
+    unread = sorted(name for name in used if f'"{name}"' not in source)
+    assert not unread, f"variables the code never reads: {unread}"
+
+
+def test_gpu_override_and_dockerfile() -> None:
+    override = load(GPU_OVERRIDE)
+    assert set(override["services"]) <= REDSERVE_SERVICES
+    for service in override["services"].values():
+        assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        assert service["environment"]["CUDA_VISIBLE_DEVICES"]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11", dockerfile, re.M) and "pip install ." in dockerfile
+    for package in ("api", "broker", "engine", "worker", "redserve"):
+        assert f"COPY {package} ./{package}" in dockerfile
+    assert 'redserve = "redserve.cli:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+# ------------------------------------------------------------------------------------ the stack, locally
+
+def local_argv(argv: list[str], port: int) -> list[str]:
+    """A service command as a local process: this interpreter, the API on 127.0.0.1:`port`."""
+    out = [sys.executable, "-m", "redserve.cli", *argv[1:]]
+    for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
+        if flag in out:
+            out[out.index(flag) + 1] = value
+    return out
+
+
+def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_path: Path) -> None:
+    host_env = {"REDSERVE_MODEL": tiny_llama_dir, "REDSERVE_DTYPE": "float32", "REDSERVE_DEVICE": "cpu",
+                "REDSERVE_API_WORKERS": "1", "REDSERVE_BATCH_CONCURRENCY": "1",
+                "REDSERVE_KEY_PREFIX": f"c{uuid.uuid4().hex[:8]}"}
+    services = load(COMPOSE, host_env)["services"]
+    server = EmbeddedRedis().start()
+    procs = Procs(tmp_path)
+    port = free_port()
+    try:
+        started = {}
+        for name in ("coordinator", "engine-0", "api", "batch-worker"):
+            env = {**services[name]["environment"], "REDSERVE_REDIS_URL": server.url,
+                   "REDSERVE_STATE_DIR": str(tmp_path)}
+            started[name] = procs.start(name, local_argv(services[name]["command"], port), env=env)
+        base = f"http://127.0.0.1:{port}"
+        keys = RedisKeys(host_env["REDSERVE_KEY_PREFIX"])
+        watch = tuple(started.values())
+        wait_for(lambda: engine_ready(server.url, keys), 120, "the engine", watch=watch)
+        wait_for(lambda: _healthy(base), 60, "the API", watch=watch)
+
+        body = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
+        http = requests.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+                "temperature": 0}
+        http_chat = requests.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
+
+        src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        items = [("a", "/v1/completions", body), ("b", "/v1/chat/completions", chat)]
+        src.write_text("".join(json.dumps({"custom_id": c, "method": "POST", "url": u, "body": b}) + "\n"
+                               for c, u, b in items))
+        env = {**os.environ, **services["batch-worker"]["environment"], "REDSERVE_REDIS_URL": server.url}
+        submit = [sys.executable, "-m", "redserve.cli", "batch", "submit", str(src), "--output", str(out)]
+        done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [line["custom_id"] for line in lines] == ["a", "b"]
+        for line, expected in zip(lines, (http, http_chat), strict=True):
+            assert line["response"]["status_code"] == 200
+            assert _comparable(line["response"]["body"]) == _comparable(expected)
+
+        assert title(started["engine-0"].pid).startswith("redserve-engine-0")
+        assert title(started["api"].pid).startswith("redserve-api")
+        assert title(started["batch-worker"].pid).startswith("redserve-batch")
+        assert title(started["coordinator"].pid).startswith("redserve-coordinator")
+    finally:
+        procs.close()
+        server.stop()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return requests.get(f"{base}/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _comparable(body: dict[str, Any]) -> dict[str, Any]:
+    """A response body without what differs between two identical requests (id, timestamp)."""
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
