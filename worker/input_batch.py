@@ -109,9 +109,12 @@ class InputBatch:
         return (table.unsqueeze(-1) * self.block_size + offsets).view(len(tables), -1)
 
     def _add_decodes(self, meta: AttentionMetadata, tables: list[list[int]], lens: list[int]) -> None:
-        length = max(lens)
+        # The context is padded to whole blocks, so the attention matmuls see a new shape once per block
+        # rather than once per token: CPU kernels (oneDNN) build a primitive per new shape, which costs
+        # far more than multiplying a few masked-out padding columns.
         meta.num_decodes = len(tables)
-        meta.decode_slots = self._slot_table(tables)[:, :length].contiguous()
+        meta.decode_slots = self._slot_table(tables)
+        length = meta.decode_slots.shape[1]
         context = self._tensor(lens)
         positions = torch.arange(length, device=self.device)
         meta.decode_mask = (positions.unsqueeze(0) >= context.unsqueeze(1)).view(len(tables), 1, length)
