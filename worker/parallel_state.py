@@ -1,7 +1,8 @@
 """Tensor-parallel group of this process: rank, size and the collectives the TP layers use.
 
-TP = 1 never touches torch.distributed. TP > 1 uses gloo on CPU and NCCL on CUDA, with a rendezvous
-address chosen per engine so several engines on one host never collide.
+TP = 1 never touches torch.distributed. TP > 1 uses NCCL on CUDA; on CPU the collectives go through
+shared memory (``worker.shm_allreduce``), with gloo for setup and for tensors too large for its
+slots. The rendezvous address is chosen per engine so several engines on one host never collide.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class TPGroup:
 
 
 _TP = TPGroup()
+_SHM = None
 
 
 def tp_group() -> TPGroup:
@@ -27,23 +29,32 @@ def tp_group() -> TPGroup:
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device) -> None:
     """Join this engine's TP group (a no-op for size 1)."""
-    global _TP
+    global _TP, _SHM
     _TP = TPGroup(rank, size)
     if size == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
+    if device.type == "cpu":
+        from worker.shm_allreduce import ShmCommunicator
+        _SHM = ShmCommunicator(rank, size)
 
 
 def destroy_tensor_parallel() -> None:
-    global _TP
+    global _TP, _SHM
+    if _SHM is not None:
+        _SHM.close()
+        _SHM = None
     if _TP.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _TP = TPGroup()
+_SHM = None
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP.size > 1:
+        if _SHM is not None and _SHM.fits(x):
+            return _SHM.all_reduce(x)
         dist.all_reduce(x)
     return x
 
@@ -51,6 +62,8 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
+    if _SHM is not None and _SHM.fits(x):
+        return _SHM.all_gather_last_dim(x)
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)

@@ -127,7 +127,7 @@ def cleanup_stale_segments(tag: str, shm_dir: str = "/dev/shm") -> list[str]:
     return removed
 
 
-def _attach_untracked(name: str) -> SharedMemory:
+def attach_untracked(name: str) -> SharedMemory:
     if sys.version_info >= (3, 13):
         return SharedMemory(name=name, track=False)  # type: ignore[call-arg]
     # Before 3.13 every SharedMemory registers with the resource tracker, which then unlinks the
@@ -189,7 +189,7 @@ class ShmRing:
     @classmethod
     def attach(cls, name: str, n_readers: int, n_slots: int, slot_bytes: int) -> ShmRing:
         try:
-            shm = _attach_untracked(name)
+            shm = attach_untracked(name)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"shared-memory queue {name!r} does not exist: its owner closed it or died"
