@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,6 +65,17 @@ def redis_server_path() -> str:
 def redis_cli_path() -> str:
     """Path of a `redis-cli` binary, found the same way as `redis_server_path()`."""
     return _find_binary("redis-cli")
+
+
+@functools.cache
+def _supports_proc_title(binary: str) -> bool:
+    """Redis 6.2+ can name its process (`proc-title-template`), so `ps` shows redserve-redis."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    match = re.search(r"v=(\d+)\.(\d+)", out)
+    return bool(match) and (int(match.group(1)), int(match.group(2))) >= (6, 2)
 
 
 def _free_port() -> int:
@@ -202,6 +215,8 @@ class EmbeddedRedis:
             "--dir", self._tmpdir,
             "--logfile", os.path.join(self._tmpdir, "redis.log"),
         ]  # fmt: skip
+        if _supports_proc_title(args[0]):
+            args += ["--proc-title-template", "redserve-redis {listen-addr}"]
         if self._unix_socket:
             args += ["--unixsocket", os.path.join(self._tmpdir, "redis.sock"), "--unixsocketperm", "700"]
         self._proc = subprocess.Popen(
