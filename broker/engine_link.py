@@ -14,8 +14,10 @@ Rules for the engine process:
   you already have.
 - Output thread: one `publisher.publish(...)` per step: one PUBLISH per client (all that client's
   new tokens), the acks and the stats, in one pipeline. It returns the number of subscribers per
-  client: 0 means the client is gone, so abort its requests; -1 means the step could not be
-  delivered (Redis down for longer than the retries), so do not conclude anything.
+  client: 0 means nobody heard it, so abort the requests whose outputs were in it (the client is
+  gone, or lost its subscription and fails them itself; its later requests are fine); -1 means the
+  step could not be delivered (Redis down for longer than the retries), so do not conclude anything.
+  Sequence numbers per client only ever grow: a client that resubscribes keeps deduplicating.
 """
 
 from __future__ import annotations
@@ -233,10 +235,6 @@ class OutputPublisher:
             self.engine_id, len(clients), len(ack_ids),
         )  # fmt: skip
         return dict.fromkeys(clients, -1)
-
-    def forget_client(self, client_id: str) -> None:
-        """Drop the sequence counter of a client that is gone."""
-        self._seq.pop(client_id, None)
 
     def _encode(self, client_id: str, outs: EngineOutputs) -> bytes:
         seq = self._seq.get(client_id, 0) + 1

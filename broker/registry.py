@@ -145,9 +145,11 @@ class EngineRegistry:
         p = self._redis.pipeline(transaction=False)
         p.set(self.keys.engine_alive(engine_id), incarnation, px=max(1, int(ttl * 1000)))
         p.sadd(self.keys.engines(), engine_id)
-        p.exists(self.keys.engine(engine_id))
-        exists = p.execute()[2]
-        if exists or record is None:
+        p.hget(self.keys.engine(engine_id), "incarnation")
+        stored = p.execute()[2]
+        # Compare the incarnation, not the key's existence: after a restart a stats write can
+        # re-create the hash with counters only, which must not pass for a registration.
+        if record is None or stored == incarnation.encode():
             return False
         logger.warning("engine %s: registration missing from Redis (restarted?), restoring it", engine_id)
         self._redis.hset(self.keys.engine(engine_id), mapping=record)

@@ -5,7 +5,7 @@ Threads (as vLLM's EngineCoreProc):
 2. busy loop (main thread): drain ``input_queue`` -> ``core.step()`` -> group outputs by client ->
    ``output_queue``. It blocks on the input queue only when there is no work.
 3. output thread: one pipeline per step: one PUBLISH per client with all its new tokens, the XACKs
-   of finished requests, the stats. A client with no subscriber is gone: its requests are aborted.
+   of finished requests, the stats. Requests whose outputs reached no subscriber are aborted.
 
 Data parallelism: ``engine.dp_wave.DpWaves`` keeps this engine's wave (START_DP_WAVE to the others
 when it gets work outside a running wave) and runs lockstep dummy steps; the busy loop flushes the
@@ -175,9 +175,10 @@ class EngineServer:
             receivers = self.publisher.publish(batch.by_client, batch.ack_ids, batch.stats)
             if batch.start_wave is not None:
                 self.waves.notify_others(batch.start_wave)
-            gone = [c for c, n in receivers.items() if n == 0]
-            if gone:
-                self.input_queue.put((_CLIENT_GONE, gone))
+            lost = [o.request_id for c, n in receivers.items() if n == 0
+                    for o in batch.by_client[c].outputs if o.finish_reason is None]
+            if lost:
+                self.input_queue.put((_CLIENT_GONE, lost))
 
     def _busy_loop(self) -> None:
         core = self.core
@@ -224,13 +225,13 @@ class EngineServer:
 
     def _handle(self, batch: StepBatch, message_id, msg) -> None:
         if message_id is _CLIENT_GONE:
-            gone = set(msg)
-            ids = [rid for rid, f in self.in_flight.items() if f.client_id in gone]
+            # Outputs of these requests reached no subscriber: their client is gone, or lost its
+            # subscription and so fails them itself. Only these requests: a client that is back may
+            # already have sent new ones. Sequence numbers are never reset (see OutputPublisher).
+            ids = [rid for rid in dict.fromkeys(msg) if rid in self.in_flight]
             if ids:
-                logger.info("engine %s: aborting %d requests of departed clients", self.engine_id, len(ids))
+                logger.info("engine %s: aborting %d requests whose client is not listening", self.engine_id, len(ids))
                 self._abort(batch, ids)
-            for client_id in gone:
-                self.publisher.forget_client(client_id)
         elif isinstance(msg, AddRequest):
             self._add(batch, message_id, msg)
         elif isinstance(msg, AbortRequests):
