@@ -236,10 +236,13 @@ class BrokerClient:
         return result.result
 
     def ready_engines(self) -> list[dict[str, Any]]:
-        """READY engines with a live heartbeat (cached up to `engine_refresh` s), e.g. for /health."""
+        """READY engines with a live heartbeat (cached up to `engine_refresh` s, but read afresh when the
+        cache has none, so an engine that just came up is seen at once), e.g. for /health."""
         self.start()
-        live = self._live_engines()
-        return [info for info in live.values() if info.get("state") == EngineState.READY]
+        ready = [info for info in self._live_engines().values() if info.get("state") == EngineState.READY]
+        if not ready:
+            ready = [info for info in self._live_engines(max_age=0).values() if info.get("state") == EngineState.READY]
+        return ready
 
     def in_flight(self) -> int:
         with self._lock:
@@ -254,9 +257,9 @@ class BrokerClient:
                 "create one per process after fork"
             )
 
-    def _live_engines(self) -> dict[str, dict[str, Any]]:
+    def _live_engines(self, max_age: float | None = None) -> dict[str, dict[str, Any]]:
         try:
-            return self.selector.live_engines()
+            return self.selector.live_engines(max_age)
         except redis.RedisError as e:
             raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
 
