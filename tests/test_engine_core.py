@@ -555,3 +555,28 @@ def test_out_of_vocab_stop_token_is_rejected(llama_dir: str) -> None:
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.engine.add_request("bad", [5, 6], SamplingParams(min_tokens=2, stop_token_ids=[10**6]))
     assert not llm.engine.has_unfinished_requests()
+
+
+def _variant(base_dir: str, tmp_path, name: str, **changes) -> str:
+    import json
+    import shutil
+
+    target = tmp_path / name
+    shutil.copytree(base_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+@pytest.mark.parametrize("name,changes", [
+    ("llama3-rope", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("linear-rope", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500000.0}),
+    ("mistral", {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}),
+])
+def test_rope_scaling_and_mistral_match_hf(llama_dir: str, tmp_path, name: str, changes: dict) -> None:
+    variant = _variant(llama_dir, tmp_path, name, **changes)
+    outputs = make_llm(variant).generate(PROMPTS, greedy())
+    assert token_ids(outputs) == [hf_greedy(variant, p) for p in PROMPTS]
