@@ -66,10 +66,11 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP size (transformers runs TP 1)")
     args = parser.parse_args()
     model_dir = str(args.model or ensure_default_model())
     dtype = getattr(torch, args.dtype)
-    llm = LLM(model_dir, dtype=args.dtype)
+    llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     total = args.num_prompts * args.output_len
@@ -79,14 +80,16 @@ def main() -> None:
     rows.append((f"redserve engine, batch {args.num_prompts}", total / t, t / args.output_len * 1e3))
     t1 = bench_engine(llm, prompts[:1], args.output_len)
     rows.append(("redserve engine, batch 1", args.output_len / t1, t1 / args.output_len * 1e3))
-    tm = bench_matmul_only(llm, args.num_prompts, args.output_len)
-    rows.append((f"matmul-only decode, batch {args.num_prompts}", total / tm, tm / args.output_len * 1e3))
+    if args.tensor_parallel_size == 1:
+        tm = bench_matmul_only(llm, args.num_prompts, args.output_len)
+        rows.append((f"matmul-only decode, batch {args.num_prompts}", total / tm, tm / args.output_len * 1e3))
+    llm.shutdown()
     if not args.skip_transformers:
         th = bench_transformers(model_dir, dtype, prompts, args.output_len)
         rows.append((f"transformers generate, batch {args.num_prompts}", total / th, th / args.output_len * 1e3))
         th1 = bench_transformers(model_dir, dtype, prompts[:1], args.output_len)
         rows.append(("transformers generate, batch 1", args.output_len / th1, th1 / args.output_len * 1e3))
-    print(f"model={model_dir} dtype={args.dtype} prompts={args.num_prompts} in={args.input_len} "
+    print(f"model={model_dir} dtype={args.dtype} tp={args.tensor_parallel_size} prompts={args.num_prompts} in={args.input_len} "
           f"out={args.output_len} threads={torch.get_num_threads()}")
     print(f"{'what':44s} {'out tok/s':>10s} {'ms/step':>9s}")
     for name, tps, ms in rows:

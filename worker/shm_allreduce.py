@@ -7,8 +7,8 @@ does). Rules:
   of ``slot_bytes``. Rank 0 creates it and unlinks it as soon as every rank has mapped it, so
   nothing is left in /dev/shm whatever happens later.
 - Collective number s: each rank copies its tensor into its slot ``s % 2``, fences, publishes
-  ``counter = s``, waits until every counter is >= s, then reads all slots in rank order, so every
-  rank computes the same bits. Two slots suffice: a rank that published s has finished reading
+  ``counter = s``, waits until every counter is >= s, then adds the slots up in rank order, so every
+  rank computes the same bits (for two ranks, the very bits gloo gives). Two slots suffice: a rank that published s has finished reading
   collective s - 1, so slot ``(s + 1) % 2`` is free once everyone has published s.
 - Waiting spins, yielding the CPU (ranks often share cores), then naps; a peer silent for
   ``timeout`` seconds raises TimeoutError instead of hanging.
@@ -86,7 +86,9 @@ class ShmCommunicator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (as ``dist.all_reduce``)."""
         parts = self._exchange(x)
-        torch.sum(torch.stack(parts), dim=0, out=x)
+        torch.add(parts[0], parts[1], out=x)
+        for part in parts[2:]:
+            x.add_(part)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
