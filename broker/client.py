@@ -4,9 +4,12 @@ Rules:
 - One `BrokerClient` per process, created (or at least started) after fork: gunicorn forks its
   workers, so build it lazily in the worker (`start()` is idempotent and `submit` calls it).
   Using a client started in another process raises RuntimeError. All methods are thread-safe.
-- `start()` refreshes a heartbeat key `rs:client:{id}:alive` (TTL `heartbeat_ttl`) and runs one
-  listener thread subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into per-request
-  mailboxes. `submit` registers the mailbox BEFORE the XADD, and only while subscribed.
+- `start()` runs two threads: a maintenance thread (`broker.client_liveness`) that refreshes a
+  heartbeat key `rs:client:{id}:alive` (TTL `heartbeat_ttl`), and one listener thread
+  (`broker.client_listener`) subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into
+  per-request mailboxes. `submit` registers the mailbox BEFORE the XADD, and only while subscribed.
+- The shared state (mailboxes, calls, seqs, incarnations, deferred aborts) lives on the client and is
+  only touched under `self._lock`; the thread modules use it through the client, with no I/O under it.
 - Nothing hangs and nothing is silently lost; a request ends with an error output (finish_reason
   "error", `error` = "<ErrorCode>: ...") when:
   * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
@@ -30,13 +33,14 @@ import queue
 import re
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import redis
 
+from broker.client_listener import OutputListener
+from broker.client_liveness import Maintenance
 from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
 from broker.errors import BrokerUnavailable, NoEngineAvailable, UtilityError
@@ -45,14 +49,11 @@ from broker.load_balance import EngineSelector, read_lb_snapshot
 from broker.messages import (
     AbortRequests,
     AddRequest,
-    EngineOutputs,
     ErrorCode,
     FinishReason,
-    MessageError,
     RequestOutput,
     UtilityCall,
     UtilityResult,
-    decode,
     encode,
     make_error,
 )
@@ -60,9 +61,6 @@ from broker.registry import EngineRegistry
 from broker.request_handle import Mailbox, RequestHandle
 
 logger = logging.getLogger(__name__)
-
-_OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError)
-_TICK = 0.05
 
 
 def default_client_id() -> str:
@@ -114,6 +112,8 @@ class BrokerClient:
         self._redis: redis.Redis | None = None
         self._registry: EngineRegistry | None = None
         self.selector: EngineSelector | None = None
+        self._listener = OutputListener(self)
+        self._maintenance = Maintenance(self)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -131,8 +131,8 @@ class BrokerClient:
             self._registry = EngineRegistry(self._redis, self.keys)
             self.selector = EngineSelector(self._fetch_engines, self._engine_refresh, self._snapshot_max_age)
             self._threads = [
-                threading.Thread(target=self._listen, name=f"broker-listener-{self.client_id}", daemon=True),
-                threading.Thread(target=self._maintain, name=f"broker-maintenance-{self.client_id}", daemon=True),
+                threading.Thread(target=self._listener.run, name=f"broker-listener-{self.client_id}", daemon=True),
+                threading.Thread(target=self._maintenance.run, name=f"broker-maintenance-{self.client_id}", daemon=True),
             ]
             for t in self._threads:
                 t.start()
@@ -156,7 +156,7 @@ class BrokerClient:
                     self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "the broker client was stopped")
                 self._fail_calls_locked(None, "the broker client was stopped")
             if redis_up:
-                self._flush_aborts()
+                self._maintenance.flush_aborts()
                 try:
                     p = self._redis.pipeline(transaction=False)
                     p.delete(self.keys.client_alive(self.client_id))
@@ -363,199 +363,3 @@ class BrokerClient:
             logger.info("client %s: ABORT to %s deferred (%s)", self.client_id, engine_id, e)
             with self._lock:
                 self._pending_aborts.setdefault(engine_id, set()).update(request_ids)
-
-    # ----------------------------------------------------------------- listener thread
-
-    def _listen(self) -> None:
-        failures = 0
-        while not self._stopping.is_set():
-            pubsub_client = connect(self.redis_url, retries=0, client_name=f"redserve-listener-{self.client_id}")
-            pubsub = pubsub_client.pubsub()
-            try:
-                pubsub.subscribe(self.keys.output_channel(self.client_id))
-                while not self._stopping.is_set():
-                    msg = pubsub.get_message(timeout=0.2)
-                    if msg is None:
-                        continue
-                    if msg["type"] == "message":
-                        self._dispatch(msg["data"])
-                    elif msg["type"] == "subscribe":
-                        failures = 0
-                        self._set_subscribed(True)
-            except Exception as e:  # noqa: BLE001 - the listener must outlive any error
-                self._on_subscription_lost(e, failures)
-                failures += 1
-                self._stopping.wait(min(2.0, 0.05 * 2**failures))
-            finally:
-                self._set_subscribed(False)
-                pubsub.close()
-                pubsub_client.close()
-
-    def _set_subscribed(self, value: bool) -> None:
-        with self._lock:
-            self._subscribed = value
-            if value:
-                self._subscribed_event.set()
-            else:
-                self._subscribed_event.clear()
-
-    def _on_subscription_lost(self, error: Exception, failures: int) -> None:
-        if not isinstance(error, _OUTAGE):
-            logger.exception("client %s: listener error; resubscribing", self.client_id, exc_info=error)
-        elif failures == 0:
-            logger.warning("client %s: output subscription lost (%s); resubscribing", self.client_id, error)
-        with self._lock:
-            self._subscribed = False
-            self._subscribed_event.clear()
-            lost = list(self._mailboxes.values())
-            for mb in lost:
-                self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "lost the connection to Redis; output may be incomplete")
-            self._fail_calls_locked(None, "lost the connection to Redis")
-            self._last_seq.clear()
-        if lost:
-            logger.warning("client %s: failed %d request(s) in flight after losing Redis", self.client_id, len(lost))
-
-    def _dispatch(self, data: bytes) -> None:
-        try:
-            outs = decode(data, expect=EngineOutputs)
-        except MessageError as e:
-            logger.warning("client %s: dropping bad message on its output channel: %s", self.client_id, e)
-            return
-        engine_id = outs.engine_id
-        with self._lock:
-            last = self._last_seq.get(engine_id)
-            if last is not None and outs.seq <= last:
-                return  # a duplicate from a retried PUBLISH
-            self._last_seq[engine_id] = outs.seq
-            if last is not None and outs.seq > last + 1:
-                self._on_gap_locked(engine_id, outs.seq - last - 1)
-            for out in outs.outputs:
-                mb = self._mailboxes.get(out.request_id)
-                if mb is not None and mb.engine_id == engine_id:
-                    self._deliver_locked(mb, out)
-            for result in outs.utility_results:
-                call = self._calls.pop(result.call_id, None)
-                if call is not None:
-                    call[1].put(result)
-
-    def _on_gap_locked(self, engine_id: str, missing: int) -> None:
-        victims = [mb for mb in self._mailboxes.values() if mb.engine_id == engine_id]
-        logger.warning(
-            "client %s: %d message(s) from engine %s were lost; failing its %d request(s)",
-            self.client_id, missing, engine_id, len(victims),
-        )  # fmt: skip
-        for mb in victims:
-            self._fail_locked(mb, ErrorCode.OUTPUT_LOST, f"{missing} output message(s) from engine {engine_id} were lost")
-        self._fail_calls_locked(engine_id, f"output message(s) from engine {engine_id} were lost")
-
-    def _deliver_locked(self, mb: Mailbox, out: RequestOutput) -> None:
-        mb.got_output = True
-        if out.finish_reason is not None:
-            mb.finished_indices.add(out.index)
-        last = out.error is not None or len(mb.finished_indices) >= mb.n
-        mb.outputs.put((out, last))
-        if last:
-            self._finish_locked(mb)
-
-    # ----------------------------------------------------------------- maintenance thread
-
-    def _maintain(self) -> None:
-        next_heartbeat = 0.0
-        next_liveness = time.monotonic() + self._liveness_interval
-        while not self._stopping.wait(_TICK):
-            try:
-                self._expire_deadlines()
-                if not self._subscribed:
-                    continue  # Redis is down: the listener is reconnecting; only deadlines matter now
-                now = time.monotonic()
-                if now >= next_heartbeat:
-                    self._heartbeat()
-                    next_heartbeat = now + self._heartbeat_ttl / 3
-                if now >= next_liveness:
-                    self._check_engines()
-                    next_liveness = time.monotonic() + self._liveness_interval
-                self._flush_aborts()
-            except Exception:  # noqa: BLE001 - deadlines must keep being enforced
-                logger.exception("client %s: maintenance step failed", self.client_id)
-
-    def _heartbeat(self) -> None:
-        try:
-            p = self._redis.pipeline(transaction=False)
-            p.set(self.keys.client_alive(self.client_id), f"{socket.gethostname()} {os.getpid()}", px=int(self._heartbeat_ttl * 1000))
-            p.sadd(self.keys.clients(), self.client_id)
-            p.execute()
-        except redis.RedisError as e:
-            logger.warning("client %s: heartbeat failed: %s", self.client_id, e)
-
-    def _expire_deadlines(self) -> None:
-        now = time.time()
-        with self._lock:
-            expired = [mb for mb in self._mailboxes.values() if mb.deadline is not None and mb.deadline <= now]
-            for mb in expired:
-                self._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
-
-    def _check_engines(self) -> None:
-        """Re-place or fail requests whose engine is no longer live (or restarted)."""
-        try:
-            live = self.selector.refresh()
-        except redis.RedisError as e:
-            logger.debug("client %s: engine liveness check skipped: %s", self.client_id, e)
-            return
-        replace: list[Mailbox] = []
-        with self._lock:
-            for engine_id, incarnation in list(self._incarnations.items()):
-                if live.get(engine_id, {}).get("incarnation") != incarnation:
-                    del self._incarnations[engine_id]
-                    self._last_seq.pop(engine_id, None)
-                    self._fail_calls_locked(engine_id, f"engine {engine_id} is gone")
-            for mb in list(self._mailboxes.values()):
-                if mb.engine_id in live and live[mb.engine_id].get("incarnation") == mb.incarnation:
-                    continue
-                if not mb.got_output and mb.resubmits < self._resubmit_limit:
-                    replace.append(mb)
-                else:
-                    self._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone", abort=False)
-        for mb in replace:
-            self._replace(mb)
-
-    def _replace(self, mb: Mailbox) -> None:
-        old = mb.engine_id
-        try:
-            info = self.selector.select(exclude=[old])
-        except NoEngineAvailable:
-            with self._lock:
-                self._fail_locked(mb, ErrorCode.NO_ENGINE, f"engine {old} is gone and no other engine is ready", abort=False)
-            return
-        self._note_incarnation(info["engine_id"], info.get("incarnation"))
-        with self._lock:
-            if mb.done:
-                return
-            self.selector.on_finish(old)
-            mb.engine_id, mb.incarnation = info["engine_id"], info.get("incarnation")
-            mb.resubmits += 1
-            self.selector.on_submit(mb.engine_id)
-        logger.info("client %s: engine %s is gone; re-placed request %s on %s", self.client_id, old, mb.request_id, mb.engine_id)
-        try:
-            self._xadd(mb.engine_id, encode(mb.add))
-        except redis.RedisError as e:
-            with self._lock:
-                self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, f"could not re-place the request: {e}", abort=False)
-            return
-        if old in self.selector.live_engines(max_age=float("inf")):
-            self._send_aborts(old, [mb.request_id])  # it restarted or came back: do not run it twice
-
-    def _flush_aborts(self) -> None:
-        with self._lock:
-            if not self._pending_aborts:
-                return
-            pending, self._pending_aborts = self._pending_aborts, {}
-        try:
-            live = self.selector.live_engines(max_age=self._liveness_interval)
-        except redis.RedisError:
-            with self._lock:
-                for engine_id, ids in pending.items():
-                    self._pending_aborts.setdefault(engine_id, set()).update(ids)
-            return
-        for engine_id, ids in pending.items():
-            if engine_id in live:
-                self._send_aborts(engine_id, sorted(ids))

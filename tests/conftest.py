@@ -73,6 +73,18 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
                                **TINY_MODEL_SIZES))
 
 
+# The engine tests (test_engine_core, test_engine_limits, test_engine_models) run on both tiny models
+# or on llama only.
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_dir(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture
+def llama_dir(tiny_llama_dir: str) -> str:
+    return tiny_llama_dir
+
+
 # --- API end-to-end stack (tests/test_api_e2e.py) -------------------------------------------------------
 # Real processes: a private redis-server, `redserve engine` and `redserve api` (gunicorn, 2 workers) as
 # subprocesses on the tiny llama model. Each child runs in its own session (so its whole process group can be

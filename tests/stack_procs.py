@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -27,6 +28,11 @@ def cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "redserve.cli", *argv]
 
 
+def quiet_cli(*argv: str) -> list[str]:
+    """`cli` logging at WARNING only."""
+    return cli("--log-level", "WARNING", *argv)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -34,16 +40,23 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2,
-             watch: tuple[subprocess.Popen, ...] = ()) -> None:
+             watch: tuple[subprocess.Popen, ...] = ()) -> Any:
+    """Poll `predicate` until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         dead = [p.args for p in watch if p.poll() is not None]
         if dead:
             raise AssertionError(f"a process exited while waiting for {what}: {dead}")
-        if predicate():
-            return
+        value = predicate()
+        if value:
+            return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def poll(predicate: Callable[[], object], timeout: float, what: str) -> Any:
+    """`wait_for` polling every 50 ms: returns the predicate's first truthy value."""
+    return wait_for(predicate, timeout, what, interval=0.05)
 
 
 def engine_ready(redis_url: str, keys: RedisKeys, engine_id: str = "0") -> bool:

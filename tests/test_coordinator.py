@@ -7,10 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+from stack_procs import poll, quiet_cli
 
 from broker.engine_link import RequestReader
 from broker.keys import EngineState
@@ -324,36 +324,22 @@ def test_expired_clients_are_swept(redis_client, redis_keys):
 # ----------------------------------------------------------------------------------------- processes
 
 
-def _cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "redserve.cli", "--log-level", "WARNING", *argv]
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_coordinator_process_failover_keeps_the_snapshot_fresh(redis_url, redis_client, redis_keys):
     engine = FakeEngine(redis_client, redis_keys, "0")
     args = ["coordinator", "--redis-url", redis_url, "--key-prefix", redis_keys.prefix, "--lock-ttl", "1.5"]
-    procs = [subprocess.Popen(_cli(*args, "--coordinator-id", f"c{i}")) for i in range(2)]
+    procs = [subprocess.Popen(quiet_cli(*args, "--coordinator-id", f"c{i}")) for i in range(2)]
     try:
-        holder = _wait_for(lambda: redis_client.get(redis_keys.coordinator_lock()), 20, "a coordinator").decode()
+        holder = poll(lambda: redis_client.get(redis_keys.coordinator_lock()), 20, "a coordinator").decode()
         active = procs[int(holder[1])]
         standby_id = "c1" if holder == "c0" else "c0"
         os.kill(active.pid, signal.SIGKILL)
         active.wait()
         killed_at = time.monotonic()
-        _wait_for(lambda: redis_client.get(redis_keys.coordinator_lock()) == standby_id.encode(), 10, "the takeover")
+        poll(lambda: redis_client.get(redis_keys.coordinator_lock()) == standby_id.encode(), 10, "the takeover")
         assert time.monotonic() - killed_at < 5
         engine.stats(waiting=2, running=1, steps=3)
-        _wait_for(lambda: read_lb_snapshot(redis_client, redis_keys).get("0", EngineLoad()).waiting == 2, 5,
-                  "the new coordinator to refresh rs:lb")
+        poll(lambda: read_lb_snapshot(redis_client, redis_keys).get("0", EngineLoad()).waiting == 2, 5,
+             "the new coordinator to refresh rs:lb")
         written = float(redis_client.hget(redis_keys.coordinator(), "lb_written_at"))
         time.sleep(1.5)  # idle: it still rewrites the snapshot about every second
         assert float(redis_client.hget(redis_keys.coordinator(), "lb_written_at")) > written
@@ -375,7 +361,7 @@ def test_status_command_shows_engines_waves_streams_and_clients(redis_url, redis
     c = _coordinator(redis_client, redis_keys)
     c.step()
     base = ["status", "--redis-url", redis_url, "--key-prefix", redis_keys.prefix]
-    out = subprocess.run(_cli(*base, "--json"), capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(quiet_cli(*base, "--json"), capture_output=True, text=True, timeout=60, check=True).stdout
     status = json.loads(out)
     assert status["wave"] == 3 and status["coordinator"]["holder"] == c.id
     (e,) = status["engines"]
@@ -384,6 +370,6 @@ def test_status_command_shows_engines_waves_streams_and_clients(redis_url, redis
     assert 0 <= e["heartbeat_age_s"] <= 60
     assert status["clients"] == [{"client_id": "api-1", "alive": True, "info": "host 99",
                                   "heartbeat_ttl_left_s": status["clients"][0]["heartbeat_ttl_left_s"]}]
-    text = subprocess.run(_cli(*base), capture_output=True, text=True, timeout=60, check=True).stdout
+    text = subprocess.run(quiet_cli(*base), capture_output=True, text=True, timeout=60, check=True).stdout
     assert "wave 3" in text and "api-1" in text and "3*" in text
     c.resign()

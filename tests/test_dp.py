@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
 
 import pytest
 import redis
+from stack_procs import poll, quiet_cli
 
 from broker.client import BrokerClient
 from broker.keys import RedisKeys
@@ -25,33 +25,19 @@ ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(32 << 20), "--max
                 "--heartbeat-ttl", "2"]
 
 
-def _cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "redserve.cli", "--log-level", "WARNING", *argv]
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 class Stack:
     def __init__(self, url: str, keys: RedisKeys, model: str) -> None:
         self.url, self.keys, self.model = url, keys, model
         self.redis = redis.Redis.from_url(url)
         self.registry = EngineRegistry(self.redis, keys)
         self.engines: dict[str, subprocess.Popen] = {}
-        self.coordinator = subprocess.Popen(_cli("coordinator", "--redis-url", url, "--key-prefix", keys.prefix,
-                                                 "--dp-lockstep", "--lock-ttl", "1.5"))
+        self.coordinator = subprocess.Popen(quiet_cli("coordinator", "--redis-url", url, "--key-prefix", keys.prefix,
+                                                      "--dp-lockstep", "--lock-ttl", "1.5"))
         self.client = BrokerClient(url, keys=keys, resubmit_limit=2)
         self._ids = (f"r{i}" for i in range(1_000_000))
 
     def start_engine(self, rank: int) -> None:
-        self.engines[str(rank)] = subprocess.Popen(_cli(
+        self.engines[str(rank)] = subprocess.Popen(quiet_cli(
             "engine", "--model", self.model, "--redis-url", self.url, "--key-prefix", self.keys.prefix,
             "--dp-rank", str(rank), *ENGINE_FLAGS), stdin=subprocess.DEVNULL)
 
@@ -62,7 +48,7 @@ class Stack:
                 assert self.engines[e].poll() is None, f"engine {e} exited with {self.engines[e].returncode}"
             engines = self.client.ready_engines() if client_view else self.registry.ready_engines()
             return {info["engine_id"] for info in engines}.issuperset(engine_ids)
-        _wait_for(ready, 180, f"engines {engine_ids} to be ready")
+        poll(ready, 180, f"engines {engine_ids} to be ready")
 
     def submit(self, max_tokens: int = 8, engine_id: str | None = None, prompt: list[int] | None = None):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True).to_dict()
@@ -80,7 +66,7 @@ class Stack:
         def settled():
             wave, engines = self.wave(), self.registry.live_engines()
             return all(e.get("wave") == wave and e.get("wave_running") == 0 for e in engines) and (wave,)
-        return _wait_for(settled, 15, "the wave to settle")[0]
+        return poll(settled, 15, "the wave to settle")[0]
 
     def stop(self) -> None:
         self.client.stop()
@@ -131,7 +117,7 @@ def test_a_burst_is_spread_over_both_engines(stack):
     def generated():
         got = {e: stack.stat(e, "generated_tokens") - before[e] for e in before}
         return sum(got.values()) == 16 * 8 and got
-    got = _wait_for(generated, 10, "the engines' stats")
+    got = poll(generated, 10, "the engines' stats")
     assert got == {e: 8 * placed[e] for e in ("0", "1")}
 
 
@@ -141,7 +127,7 @@ def test_the_wave_advances_once_per_idle_busy_idle_cycle(stack):
         handles = [stack.submit(max_tokens=6) for _ in range(6)]
         for h in handles:
             assert _finish(h)[1] == "length"
-        _wait_for(lambda w=wave: stack.wave() == w + 1, 10, "the wave to advance")
+        poll(lambda w=wave: stack.wave() == w + 1, 10, "the wave to advance")
         wave = stack.settle()
         time.sleep(1.0)
         assert stack.wave() == wave, "the wave advanced with every engine idle"
@@ -151,7 +137,7 @@ def test_lockstep_dummy_steps_run_only_while_an_engine_has_work(stack):
     stack.settle()
     idle_before = stack.stat("1", "dummy_steps")
     handle = stack.submit(max_tokens=300, engine_id="0")
-    _wait_for(lambda: stack.stat("1", "dummy_steps") > idle_before, 20, "engine 1 to run dummy steps")
+    poll(lambda: stack.stat("1", "dummy_steps") > idle_before, 20, "engine 1 to run dummy steps")
     assert _finish(handle)[1] == "length"
     stack.settle()
     counts = {e: stack.stat(e, "dummy_steps") for e in ("0", "1")}
@@ -193,7 +179,7 @@ def test_kill_9_under_load_completes_or_fails_every_request(stack):
     first_engine = {h.request_id: h.engine_id for h in handles}
     on_1 = [h for h in handles if h.engine_id == "1"]
     assert len(on_1) >= 5, "engine 1 should hold running and waiting requests (max-num-seqs 4)"
-    _wait_for(lambda: stack.stat("1", "running") > 0, 20, "engine 1 to be running requests")
+    poll(lambda: stack.stat("1", "running") > 0, 20, "engine 1 to be running requests")
     os.kill(stack.engines["1"].pid, signal.SIGKILL)
     stack.engines["1"].wait()
     results = {h.request_id: (h.engine_id, *_finish(h)) for h in handles}
@@ -205,9 +191,9 @@ def test_kill_9_under_load_completes_or_fails_every_request(stack):
     replaced = [rid for rid in results if first_engine[rid] == "1" and results[rid][0] == "0"]
     assert replaced, "requests engine 1 had not started should have completed on engine 0"
 
-    _wait_for(lambda: stack.redis.hget(stack.keys.engine("1"), "state") == b"dead", 15, "engine 1 marked dead")
+    poll(lambda: stack.redis.hget(stack.keys.engine("1"), "state") == b"dead", 15, "engine 1 marked dead")
     assert not stack.redis.sismember(stack.keys.engines(), "1")
     assert not stack.redis.exists(stack.keys.request_stream("1"))
-    _wait_for(lambda: set(stack.redis.hkeys(stack.keys.lb())) == {b"0"}, 5, "rs:lb without engine 1")
+    poll(lambda: set(stack.redis.hkeys(stack.keys.lb())) == {b"0"}, 5, "rs:lb without engine 1")
     after = stack.submit(max_tokens=4)
     assert after.engine_id == "0" and _finish(after)[1] == "length"

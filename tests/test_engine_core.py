@@ -3,161 +3,32 @@
 Greedy tokens must equal ``AutoModelForCausalLM.generate(do_sample=False)`` token for token, and every
 sampled step's logits must equal the HF forward pass on the same tokens, whatever the batching: all at
 once, one by one, added mid-flight, chunked prefill, prefix-cache hits, preemption, n > 1.
+Limits and validation are in test_engine_limits.py, checkpoint loading and model variants in
+test_engine_models.py; the shared helpers in engine_helpers.py.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from engine_helpers import (
+    GREEDY,
+    MAX_TOKENS,
+    PROMPTS,
+    LogitsRecorder,
+    ScheduleRecorder,
+    assert_all_blocks_free,
+    drive,
+    greedy,
+    hf_greedy,
+    hf_logits,
+    make_llm,
+    random_prompt,
+)
 
-from engine import LLM, SamplingParams
-from engine.core import EngineCore
-from worker.model_loader import ModelLoadError
-
-BLOCK = 16
-MAX_TOKENS = 12
-VOCAB = 1024
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(5, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-# Shorter than a block, exactly one block, just over one, several, and > 100 tokens.
-PROMPTS = [_prompt(n, seed) for seed, n in enumerate((1, 5, 16, 17, 40, 130))]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def make_llm(model_dir: str, **kwargs) -> LLM:
-    kwargs.setdefault("num_kv_blocks", 256)
-    kwargs.setdefault("dtype", "float32")
-    return LLM(model=model_dir, block_size=BLOCK, **kwargs)
-
-
-# --- the transformers reference ---------------------------------------------------------------------
-
-_HF_MODELS: dict[str, torch.nn.Module] = {}
-_HF_GREEDY: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
-
-
-def hf_model(model_dir: str) -> torch.nn.Module:
-    if model_dir not in _HF_MODELS:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        model.generation_config.eos_token_id = None  # as ignore_eos
-        _HF_MODELS[model_dir] = model
-    return _HF_MODELS[model_dir]
-
-
-def hf_greedy(model_dir: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    key = (model_dir, tuple(prompt), max_tokens)
-    if key not in _HF_GREEDY:
-        with torch.no_grad():
-            out = hf_model(model_dir).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                                               do_sample=False, max_new_tokens=max_tokens, eos_token_id=None,
-                                               pad_token_id=0)
-        tokens = out[0, len(prompt):].tolist()
-        assert len(tokens) == max_tokens
-        _HF_GREEDY[key] = tokens
-    return _HF_GREEDY[key]
-
-
-def hf_logits(model_dir: str, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab]: row i holds the logits for the token after tokens[:i + 1]."""
-    with torch.no_grad():
-        return hf_model(model_dir)(torch.tensor([tokens])).logits[0].float()
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model_dir(request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue(f"tiny_{request.param}_dir")
-
-
-@pytest.fixture
-def llama_dir(tiny_llama_dir: str) -> str:
-    return tiny_llama_dir
-
-
-# --- helpers --------------------------------------------------------------------------------------------
-
-
-class LogitsRecorder:
-    """Wraps the runner's sampler (and the batch builder, to know whose row is whose) to keep each sampled
-    row's logits together with the request id and the tokens it was computed from."""
-
-    def __init__(self, llm: LLM):
-        runner = llm.engine.executor.runner
-        self.rows: list[tuple[str, list[int], torch.Tensor]] = []
-        self._states: list[tuple[str, list[int]]] = []
-        build, sample = runner.input_batch.sampling_batch, runner.sampler
-
-        def sampling_batch(states):
-            self._states = [(s.req_id, list(s.token_ids)) for s in states]
-            return build(states)
-
-        def sampler(logits, batch):
-            assert logits.shape[0] == len(self._states)
-            self.rows.extend((rid, ctx, row.detach().float().clone())
-                             for (rid, ctx), row in zip(self._states, logits, strict=True))
-            return sample(logits, batch)
-
-        runner.input_batch.sampling_batch = sampling_batch
-        runner.sampler = sampler
-
-
-class ScheduleRecorder:
-    def __init__(self, llm: LLM):
-        scheduler = llm.engine.scheduler
-        self.steps: list[dict[str, int]] = []
-        schedule = scheduler.schedule
-
-        def recorded():
-            out = schedule()
-            self.steps.append(dict(out.num_scheduled_tokens))
-            return out
-
-        scheduler.schedule = recorded
-
-
-def drive(core: EngineCore, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
-          max_steps: int = 2000) -> tuple[dict[str, list[int]], dict[str, str]]:
-    """Step the engine, adding requests before the step numbered by ``arrivals``; returns tokens and
-    finish reasons by request id."""
-    tokens: dict[str, list[int]] = defaultdict(list)
-    finish: dict[str, str] = {}
-    pending = dict(arrivals)
-    for step in range(max_steps):
-        for rid, prompt, params in pending.pop(step, []):
-            core.add_request(rid, prompt, params)
-        for out in core.step():
-            assert out.request_id not in finish
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                finish[out.request_id] = out.finish_reason
-        if not pending and not core.has_unfinished_requests():
-            return dict(tokens), finish
-    raise AssertionError("engine did not finish")
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
-
+from engine import SamplingParams
 
 # --- greedy equals transformers ---------------------------------------------------------------------
 
@@ -256,8 +127,8 @@ def test_chunked_prefill_matches_hf(model_dir: str, budget: int) -> None:
 
 def test_prefix_cache_hits_match_hf(model_dir: str) -> None:
     llm = make_llm(model_dir)
-    shared = _prompt(70, seed=100)
-    first_prompt, second_prompt = shared + _prompt(9, seed=101), shared + _prompt(3, seed=102)
+    shared = random_prompt(70, seed=100)
+    first_prompt, second_prompt = shared + random_prompt(9, seed=101), shared + random_prompt(3, seed=102)
     first = llm.generate([first_prompt], GREEDY)[0]
     assert first.num_cached_tokens == 0
     hits_before = llm.engine.block_manager.prefix_hits
@@ -276,7 +147,7 @@ def test_prefix_cache_hits_match_hf(model_dir: str) -> None:
 
 def test_prefix_cache_hit_on_block_boundary_and_with_chunking(llama_dir: str) -> None:
     llm = make_llm(llama_dir, max_num_batched_tokens=16)
-    prompt = _prompt(48, seed=103)  # exactly 3 blocks: a full hit still computes the last token
+    prompt = random_prompt(48, seed=103)  # exactly 3 blocks: a full hit still computes the last token
     llm.generate([prompt], greedy(2))
     out = llm.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 32
@@ -291,7 +162,7 @@ def test_prefix_cache_hit_on_block_boundary_and_with_chunking(llama_dir: str) ->
 def test_preemption_matches_hf(model_dir: str, prefix_caching: bool) -> None:
     # 8 blocks of 16 = 128 slots; each request alone needs <= 4 blocks, together far more.
     llm = make_llm(model_dir, num_kv_blocks=8, enable_prefix_caching=prefix_caching)
-    prompts = [PROMPTS[3], PROMPTS[4], _prompt(30, seed=104), _prompt(25, seed=105)]
+    prompts = [PROMPTS[3], PROMPTS[4], random_prompt(30, seed=104), random_prompt(25, seed=105)]
     outputs = llm.generate(prompts, greedy(24))
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.stats().num_preemptions == llm.engine.scheduler.num_preemptions
@@ -304,7 +175,7 @@ def test_preemption_matches_hf(model_dir: str, prefix_caching: bool) -> None:
 def test_preemption_with_chunked_prefill_and_late_arrivals(llama_dir: str) -> None:
     llm = make_llm(llama_dir, num_kv_blocks=9, max_num_batched_tokens=32)
     arrivals = {0: [("a", PROMPTS[4], greedy(30)), ("b", PROMPTS[3], greedy(30))],
-                4: [("c", _prompt(50, seed=106), greedy(20))],
+                4: [("c", random_prompt(50, seed=106), greedy(20))],
                 7: [("d", PROMPTS[1], greedy(30))]}
     tokens, finish = drive(llm.engine, arrivals)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -414,169 +285,3 @@ def test_min_tokens_suppresses_stop_tokens(model_dir: str) -> None:
     else:
         assert len(out.token_ids) == 8 and out.finish_reason == "length"
     assert_all_blocks_free(llm)
-
-
-def test_max_model_len(llama_dir: str) -> None:
-    llm = make_llm(llama_dir, max_model_len=64)
-    assert llm.engine.max_model_len == 64
-    out = llm.generate([_prompt(50, seed=107)], greedy(100))[0].outputs[0]
-    assert len(out.token_ids) == 14 and out.finish_reason == "length"
-    out = llm.generate([_prompt(63, seed=108)], greedy(100))[0].outputs[0]
-    assert len(out.token_ids) == 1 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="64"):
-        llm.generate([_prompt(64, seed=109)], greedy())
-    assert not llm.engine.has_unfinished_requests()
-    assert_all_blocks_free(llm)
-
-
-def test_invalid_prompts_are_rejected(llama_dir: str) -> None:
-    llm = make_llm(llama_dir)
-    core = llm.engine
-    for bad in ([5, VOCAB], [5, -1], [VOCAB + 100]):
-        with pytest.raises(ValueError, match="out of range"):
-            core.add_request("bad", bad, GREEDY)
-    with pytest.raises(ValueError):
-        core.add_request("empty", [], GREEDY)
-    with pytest.raises(ValueError, match="out of range"):
-        llm.generate([[1, 2, VOCAB]], GREEDY)
-    assert not core.has_unfinished_requests() and core.scheduler.num_waiting == 0
-    core.add_request("dup", PROMPTS[1], GREEDY)
-    with pytest.raises(ValueError, match="already in use"):
-        core.add_request("dup", PROMPTS[1], GREEDY)
-    tokens, _ = drive(core, {})
-    assert tokens["dup"] == hf_greedy(llama_dir, PROMPTS[1])
-
-
-# --- loading ------------------------------------------------------------------------------------------------
-
-
-def _copy(model_dir: str, tmp_path: Path) -> Path:
-    dst = tmp_path / "model"
-    shutil.copytree(model_dir, dst)
-    return dst
-
-
-def test_unsupported_architecture(llama_dir: str, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path)
-    config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["FancyNewForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="FancyNewForCausalLM"):
-        make_llm(str(path))
-
-
-def test_missing_weights(llama_dir: str, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path)
-    (path / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="safetensors"):
-        make_llm(str(path))
-
-
-def test_missing_tensor(llama_dir: str, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.mlp.down_proj.weight"]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.down_proj\.weight"):
-        make_llm(str(path))
-
-
-def _shard(path: Path) -> list[str]:
-    tensors = load_file(path / "model.safetensors")
-    names = sorted(tensors)
-    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    halves = [names[:len(names) // 2], names[len(names) // 2:]]
-    weight_map = {}
-    for file, half in zip(files, halves, strict=True):
-        save_file({n: tensors[n] for n in half}, path / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(half, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (path / "model.safetensors").unlink()
-    return files
-
-
-def test_sharded_checkpoint(model_dir: str, tmp_path: Path) -> None:
-    path = _copy(model_dir, tmp_path)
-    _shard(path)
-    llm = make_llm(str(path))
-    outputs = llm.generate(PROMPTS[2:5], GREEDY)
-    assert token_ids(outputs) == [hf_greedy(model_dir, p) for p in PROMPTS[2:5]]
-
-
-def test_missing_shard(llama_dir: str, tmp_path: Path) -> None:
-    path = _copy(llama_dir, tmp_path)
-    files = _shard(path)
-    (path / files[1]).unlink()
-    with pytest.raises(ModelLoadError, match=files[1]):
-        make_llm(str(path))
-
-
-def test_bfloat16_runs(model_dir: str) -> None:
-    llm = make_llm(model_dir, dtype="bfloat16")
-    assert llm.engine.executor.runner.kv_caches[0].dtype == torch.bfloat16
-    recorder = LogitsRecorder(llm)
-    outputs = llm.generate(PROMPTS, greedy(8))
-    for out in outputs:
-        assert len(out.outputs[0].token_ids) == 8
-        assert all(0 <= t < VOCAB for t in out.outputs[0].token_ids)
-    assert len(recorder.rows) == 8 * len(PROMPTS)
-    for _, _, row in recorder.rows:
-        assert torch.isfinite(row).all()
-        assert row.std() > 0
-    assert_all_blocks_free(llm)
-
-
-# --- limits that once made requests hang ---------------------------------------------------------------------
-
-
-def _finishes_or_is_rejected(make, prompt: list[int], params: SamplingParams) -> None:
-    """The engine must either refuse (ValueError, at construction or add_request) or finish the request;
-    looping forever with the request stuck in the waiting queue is the bug."""
-    try:
-        llm = make()
-        drive(llm.engine, {0: [("r", prompt, params)]}, max_steps=300)
-    except ValueError:
-        return
-
-
-def test_request_larger_than_kv_pool_does_not_hang(llama_dir: str) -> None:
-    _finishes_or_is_rejected(lambda: make_llm(llama_dir, num_kv_blocks=2), PROMPTS[3], greedy(30))
-
-
-def test_prompt_over_budget_without_chunked_prefill_does_not_hang(llama_dir: str) -> None:
-    _finishes_or_is_rejected(
-        lambda: make_llm(llama_dir, max_num_batched_tokens=32, enable_chunked_prefill=False), PROMPTS[4], GREEDY)
-
-
-def test_out_of_vocab_stop_token_is_rejected(llama_dir: str) -> None:
-    llm = make_llm(llama_dir)
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.engine.add_request("bad", [5, 6], SamplingParams(min_tokens=2, stop_token_ids=[10**6]))
-    assert not llm.engine.has_unfinished_requests()
-
-
-def _variant(base_dir: str, tmp_path, name: str, **changes) -> str:
-    import json
-    import shutil
-
-    target = tmp_path / name
-    shutil.copytree(base_dir, target)
-    config = json.loads((target / "config.json").read_text())
-    config.pop("rope_parameters", None)
-    config.update(changes)
-    (target / "config.json").write_text(json.dumps(config))
-    return str(target)
-
-
-@pytest.mark.parametrize("name,changes", [
-    ("llama3-rope", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
-    ("linear-rope", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500000.0}),
-    ("mistral", {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None}),
-])
-def test_rope_scaling_and_mistral_match_hf(llama_dir: str, tmp_path, name: str, changes: dict) -> None:
-    variant = _variant(llama_dir, tmp_path, name, **changes)
-    outputs = make_llm(variant).generate(PROMPTS, greedy())
-    assert token_ids(outputs) == [hf_greedy(variant, p) for p in PROMPTS]

@@ -1,0 +1,133 @@
+"""The output listener thread of a `BrokerClient` (see the rules in `broker.client`).
+
+It subscribes once to `rs:out:{client_id}`, resubscribes with backoff when the subscription drops
+(failing every request and utility call in flight with broker_disconnected), and demuxes each
+`EngineOutputs` into the client's mailboxes: duplicates (seq not above the last one) are dropped and
+a skipped seq fails that engine's requests with output_lost.
+
+`OutputListener` holds no state of its own besides the client: it reads and changes the client's
+shared state (`_mailboxes`, `_calls`, `_last_seq`, `_subscribed`) only under `client._lock`, and
+ends requests through the client's `_*_locked` helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import redis
+
+from broker.connection import connect
+from broker.messages import EngineOutputs, ErrorCode, MessageError, RequestOutput, decode
+from broker.request_handle import Mailbox
+
+if TYPE_CHECKING:
+    from broker.client import BrokerClient
+
+logger = logging.getLogger(__name__)
+
+_OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+class OutputListener:
+    """The body of one client's listener thread; `run` returns once the client is stopping."""
+
+    def __init__(self, client: BrokerClient) -> None:
+        self._client = client
+
+    def run(self) -> None:
+        c = self._client
+        failures = 0
+        while not c._stopping.is_set():
+            pubsub_client = connect(c.redis_url, retries=0, client_name=f"redserve-listener-{c.client_id}")
+            pubsub = pubsub_client.pubsub()
+            try:
+                pubsub.subscribe(c.keys.output_channel(c.client_id))
+                while not c._stopping.is_set():
+                    msg = pubsub.get_message(timeout=0.2)
+                    if msg is None:
+                        continue
+                    if msg["type"] == "message":
+                        self.dispatch(msg["data"])
+                    elif msg["type"] == "subscribe":
+                        failures = 0
+                        self._set_subscribed(True)
+            except Exception as e:  # noqa: BLE001 - the listener must outlive any error
+                self._on_subscription_lost(e, failures)
+                failures += 1
+                c._stopping.wait(min(2.0, 0.05 * 2**failures))
+            finally:
+                self._set_subscribed(False)
+                pubsub.close()
+                pubsub_client.close()
+
+    def _set_subscribed(self, value: bool) -> None:
+        c = self._client
+        with c._lock:
+            c._subscribed = value
+            if value:
+                c._subscribed_event.set()
+            else:
+                c._subscribed_event.clear()
+
+    def _on_subscription_lost(self, error: Exception, failures: int) -> None:
+        c = self._client
+        if not isinstance(error, _OUTAGE):
+            logger.exception("client %s: listener error; resubscribing", c.client_id, exc_info=error)
+        elif failures == 0:
+            logger.warning("client %s: output subscription lost (%s); resubscribing", c.client_id, error)
+        with c._lock:
+            c._subscribed = False
+            c._subscribed_event.clear()
+            lost = list(c._mailboxes.values())
+            for mb in lost:
+                c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "lost the connection to Redis; output may be incomplete")
+            c._fail_calls_locked(None, "lost the connection to Redis")
+            c._last_seq.clear()
+        if lost:
+            logger.warning("client %s: failed %d request(s) in flight after losing Redis", c.client_id, len(lost))
+
+    def dispatch(self, data: bytes) -> None:
+        """Deliver one message from the output channel."""
+        c = self._client
+        try:
+            outs = decode(data, expect=EngineOutputs)
+        except MessageError as e:
+            logger.warning("client %s: dropping bad message on its output channel: %s", c.client_id, e)
+            return
+        engine_id = outs.engine_id
+        with c._lock:
+            last = c._last_seq.get(engine_id)
+            if last is not None and outs.seq <= last:
+                return  # a duplicate from a retried PUBLISH
+            c._last_seq[engine_id] = outs.seq
+            if last is not None and outs.seq > last + 1:
+                self._on_gap_locked(engine_id, outs.seq - last - 1)
+            for out in outs.outputs:
+                mb = c._mailboxes.get(out.request_id)
+                if mb is not None and mb.engine_id == engine_id:
+                    self._deliver_locked(mb, out)
+            for result in outs.utility_results:
+                call = c._calls.pop(result.call_id, None)
+                if call is not None:
+                    call[1].put(result)
+
+    def _on_gap_locked(self, engine_id: str, missing: int) -> None:
+        c = self._client
+        victims = [mb for mb in c._mailboxes.values() if mb.engine_id == engine_id]
+        logger.warning(
+            "client %s: %d message(s) from engine %s were lost; failing its %d request(s)",
+            c.client_id, missing, engine_id, len(victims),
+        )  # fmt: skip
+        for mb in victims:
+            c._fail_locked(mb, ErrorCode.OUTPUT_LOST, f"{missing} output message(s) from engine {engine_id} were lost")
+        c._fail_calls_locked(engine_id, f"output message(s) from engine {engine_id} were lost")
+
+    def _deliver_locked(self, mb: Mailbox, out: RequestOutput) -> None:
+        mb.got_output = True
+        if out.finish_reason is not None:
+            mb.finished_indices.add(out.index)
+        last = out.error is not None or len(mb.finished_indices) >= mb.n
+        mb.outputs.put((out, last))
+        if last:
+            self._client._finish_locked(mb)

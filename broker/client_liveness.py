@@ -1,0 +1,151 @@
+"""The maintenance thread of a `BrokerClient` (see the rules in `broker.client`).
+
+Every `_TICK` seconds it fails requests past their deadline (deadline_exceeded); while the output
+subscription is up it also refreshes the client heartbeat key (every `heartbeat_ttl / 3` s), checks
+engine liveness (every `liveness_interval` s: requests of a gone or restarted engine are re-placed
+if they have produced no output yet, else failed with engine_gone) and sends deferred ABORTs to
+engines that are live again.
+
+`Maintenance` holds no state of its own besides the client: it reads and changes the client's
+shared state (`_mailboxes`, `_incarnations`, `_last_seq`, `_pending_aborts`) only under
+`client._lock`, and never does Redis I/O while holding it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import redis
+
+from broker.errors import NoEngineAvailable
+from broker.messages import ErrorCode, encode
+from broker.request_handle import Mailbox
+
+if TYPE_CHECKING:
+    from broker.client import BrokerClient
+
+logger = logging.getLogger(__name__)
+
+_TICK = 0.05
+
+
+class Maintenance:
+    """The body of one client's maintenance thread; `run` returns once the client is stopping."""
+
+    def __init__(self, client: BrokerClient) -> None:
+        self._client = client
+
+    def run(self) -> None:
+        c = self._client
+        next_heartbeat = 0.0
+        next_liveness = time.monotonic() + c._liveness_interval
+        while not c._stopping.wait(_TICK):
+            try:
+                self._expire_deadlines()
+                if not c._subscribed:
+                    continue  # Redis is down: the listener is reconnecting; only deadlines matter now
+                now = time.monotonic()
+                if now >= next_heartbeat:
+                    self._heartbeat()
+                    next_heartbeat = now + c._heartbeat_ttl / 3
+                if now >= next_liveness:
+                    self.check_engines()
+                    next_liveness = time.monotonic() + c._liveness_interval
+                self.flush_aborts()
+            except Exception:  # noqa: BLE001 - deadlines must keep being enforced
+                logger.exception("client %s: maintenance step failed", c.client_id)
+
+    def _heartbeat(self) -> None:
+        c = self._client
+        try:
+            p = c._redis.pipeline(transaction=False)
+            p.set(c.keys.client_alive(c.client_id), f"{socket.gethostname()} {os.getpid()}", px=int(c._heartbeat_ttl * 1000))
+            p.sadd(c.keys.clients(), c.client_id)
+            p.execute()
+        except redis.RedisError as e:
+            logger.warning("client %s: heartbeat failed: %s", c.client_id, e)
+
+    def _expire_deadlines(self) -> None:
+        c = self._client
+        now = time.time()
+        with c._lock:
+            expired = [mb for mb in c._mailboxes.values() if mb.deadline is not None and mb.deadline <= now]
+            for mb in expired:
+                c._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
+
+    def check_engines(self) -> None:
+        """Re-place or fail requests whose engine is no longer live (or restarted)."""
+        c = self._client
+        try:
+            live = c.selector.refresh()
+        except redis.RedisError as e:
+            logger.debug("client %s: engine liveness check skipped: %s", c.client_id, e)
+            return
+        replace: list[Mailbox] = []
+        with c._lock:
+            for engine_id, incarnation in list(c._incarnations.items()):
+                if live.get(engine_id, {}).get("incarnation") != incarnation:
+                    del c._incarnations[engine_id]
+                    c._last_seq.pop(engine_id, None)
+                    c._fail_calls_locked(engine_id, f"engine {engine_id} is gone")
+            for mb in list(c._mailboxes.values()):
+                if mb.engine_id in live and live[mb.engine_id].get("incarnation") == mb.incarnation:
+                    continue
+                if not mb.got_output and mb.resubmits < c._resubmit_limit:
+                    replace.append(mb)
+                else:
+                    c._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone", abort=False)
+        for mb in replace:
+            self._replace(mb)
+
+    def _replace(self, mb: Mailbox) -> None:
+        c = self._client
+        old = mb.engine_id
+        try:
+            info = c.selector.select(exclude=[old])
+        except NoEngineAvailable:
+            with c._lock:
+                c._fail_locked(mb, ErrorCode.NO_ENGINE, f"engine {old} is gone and no other engine is ready", abort=False)
+            return
+        c._note_incarnation(info["engine_id"], info.get("incarnation"))
+        with c._lock:
+            if mb.done:
+                return
+            c.selector.on_finish(old)
+            mb.engine_id, mb.incarnation = info["engine_id"], info.get("incarnation")
+            mb.resubmits += 1
+            c.selector.on_submit(mb.engine_id)
+        logger.info("client %s: engine %s is gone; re-placed request %s on %s", c.client_id, old, mb.request_id, mb.engine_id)
+        try:
+            c._xadd(mb.engine_id, encode(mb.add))
+        except redis.RedisError as e:
+            with c._lock:
+                c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, f"could not re-place the request: {e}", abort=False)
+            return
+        if old in c.selector.live_engines(max_age=float("inf")):
+            c._send_aborts(old, [mb.request_id])  # it restarted or came back: do not run it twice
+
+    def flush_aborts(self) -> None:
+        """Send the deferred ABORTs to their engines that are live; those for gone engines are dropped.
+
+        If the engine list cannot be read, everything stays deferred for the next try.
+        """
+        c = self._client
+        with c._lock:
+            if not c._pending_aborts:
+                return
+            pending, c._pending_aborts = c._pending_aborts, {}
+        try:
+            live = c.selector.live_engines(max_age=c._liveness_interval)
+        except redis.RedisError:
+            with c._lock:
+                for engine_id, ids in pending.items():
+                    c._pending_aborts.setdefault(engine_id, set()).update(ids)
+            return
+        for engine_id, ids in pending.items():
+            if engine_id in live:
+                c._send_aborts(engine_id, sorted(ids))
