@@ -8,9 +8,9 @@ Rules:
   delta carrying its finish_reason ("stop", "length", or "abort" if the engine cut it).
 - The token that made the engine stop (EOS or one of stop_token_ids) counts as a completion token
   but is not detokenized, unless include_stop_str_in_output (vLLM's rule).
-- A stop string finishes its choice at once (finish_reason "stop", stop_reason = the string); when
-  every choice of a prompt has finished that way or by the engine, the engine is told to ABORT what
-  is left (one ABORT per request: a request with n > 1 goes on until all its choices are done).
+- A stop string finishes its choice at once (finish_reason "stop", stop_reason = the string). The
+  engine is told to stop that sequence alone while other choices of the request still run (an
+  ABORT with its index), and to ABORT the request once every choice has finished.
 - A failed request (`RequestOutput.error`) raises `GenerationError`; `is_disconnected()` (checked
   every `poll_interval` s) returning True raises `ClientDisconnected`. Both abort everything.
 - `close()` aborts whatever still runs and records the request's metrics; call it in a `finally`
@@ -73,6 +73,7 @@ class _Sequence:
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.engine_done = False
+        self.abort_sent = False
 
     @property
     def finished(self) -> bool:
@@ -186,6 +187,11 @@ class Generation:
                     self._recorder.on_tokens(delta.index, len(delta.token_ids))
                 yield delta
         handle = active[p]
+        seq = seqs[out.index] if 0 <= out.index < len(seqs) else None
+        if seq is not None and seq.finished and not seq.engine_done and not seq.abort_sent:
+            seq.abort_sent = True
+            if not all(s.finished for s in seqs):
+                handle.abort_sequence(out.index)  # a stop string ended it; the other choices go on
         if all(s.finished for s in seqs):
             if not all(s.engine_done for s in seqs):
                 handle.abort()

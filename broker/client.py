@@ -356,6 +356,12 @@ class BrokerClient:
         with self._lock:
             self._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
 
+    def _send_sequence_abort(self, mb: Mailbox, index: int) -> None:
+        try:
+            self._xadd(mb.engine_id, encode(AbortRequests([mb.request_id], self.client_id, index)))
+        except redis.RedisError as e:
+            logger.info("client %s: could not abort sequence %d of %s (%s)", self.client_id, index, mb.request_id, e)
+
     def _send_aborts(self, engine_id: str, request_ids: list[str]) -> None:
         try:
             self._xadd(engine_id, encode(AbortRequests(request_ids, self.client_id)))

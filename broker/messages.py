@@ -156,23 +156,32 @@ class AddRequest:
 
 @dataclass(slots=True)
 class AbortRequests:
-    """Abort requests (unknown or finished ids are ignored by the engine)."""
+    """Abort requests (unknown or finished ids are ignored by the engine).
+
+    With `index`, abort only that sequence of each request (one of its n, e.g. one that hit a stop
+    string); the engine answers with an "abort" output for it and the other sequences go on.
+    """
 
     TYPE: ClassVar[str] = "abort"
     VERSION: ClassVar[int] = 1
 
     request_ids: list[str]
     client_id: str
+    index: int | None = None
 
     def _to_wire(self) -> dict:
-        return {"request_ids": self.request_ids, "client_id": self.client_id}
+        wire = {"request_ids": self.request_ids, "client_id": self.client_id}
+        if self.index is not None:
+            wire["index"] = self.index
+        return wire
 
     @classmethod
     def _from_wire(cls, d: dict) -> AbortRequests:
         ids = _need(d, "request_ids", list)
         if not all(isinstance(i, str) for i in ids):
             raise MessageError("field 'request_ids' must be a list of strings")
-        return cls(request_ids=ids, client_id=_need(d, "client_id", str))
+        index = _check(d.get("index"), "index", (int, type(None)))
+        return cls(request_ids=ids, client_id=_need(d, "client_id", str), index=index)
 
 
 @dataclass(slots=True)

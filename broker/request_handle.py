@@ -105,6 +105,13 @@ class RequestHandle:
     def abort(self) -> None:
         self._client._abort_mailbox(self._mb)
 
+    def abort_sequence(self, index: int) -> None:
+        """Ask the engine to stop sequence `index` of this request (n > 1); its "abort" output arrives
+        like any other, and the handle ends when every sequence has ended. Best effort: if Redis is
+        unreachable the sequence simply runs on until the request ends."""
+        if not self._mb.done:
+            self._client._send_sequence_abort(self._mb, index)
+
     def close(self) -> None:
         if not self._mb.done:
             self.abort()

@@ -111,16 +111,21 @@ class EngineCore:
                 outputs.append(self._output(req, [], None))
         return outputs
 
-    def abort_sequence(self, request_id: str, index: int) -> None:
-        """Abort one of the n sequences of a request (e.g. it hit a stop string); the others go on."""
+    def abort_sequence(self, request_id: str, index: int) -> list[RequestOutput]:
+        """Abort one of the n sequences of a request (e.g. it hit a stop string); the others go on.
+        Returns its "abort" output, or nothing if that sequence is unknown or already finished."""
         kids = self.children.get(request_id, [])
-        kid_id = request_id if len(kids) == 1 and kids[0] == request_id else f"{request_id}#{index}"
+        kid_id = request_id if kids == [request_id] else f"{request_id}#{index}"
         if kid_id not in kids:
-            return
+            return []
+        aborted = self.scheduler.abort_requests([kid_id])
         for held in self.held_siblings.values():
+            aborted += [r for r in held if r.request_id == kid_id]
             held[:] = [r for r in held if r.request_id != kid_id]
-        self.scheduler.abort_requests([kid_id])
         self._forget_child(request_id, kid_id)
+        for req in aborted:
+            req.status = RequestStatus.FINISHED_ABORTED
+        return [self._output(req, [], None) for req in aborted]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.children)

@@ -235,7 +235,13 @@ class EngineServer:
         elif isinstance(msg, AddRequest):
             self._add(batch, message_id, msg)
         elif isinstance(msg, AbortRequests):
-            self._abort(batch, [rid for rid in msg.request_ids if rid in self.in_flight])
+            ids = [rid for rid in msg.request_ids if rid in self.in_flight]
+            if msg.index is None:
+                self._abort(batch, ids)
+            else:
+                for rid in ids:
+                    for out in self.core.abort_sequence(rid, msg.index):
+                        self._emit(batch, out)
         elif isinstance(msg, UtilityCall):
             batch.add_utility(self.engine_id, msg.client_id, self._call_utility(msg))
         elif isinstance(msg, StartWave):

@@ -37,6 +37,7 @@ class FakeHandle:
         self._outputs = deque(outputs)
         self._finished_indices: set[int] = set()
         self.aborted = False
+        self.aborted_sequences: list[int] = []
         self.finished = False
 
     def get(self, timeout: float | None = None) -> RequestOutput | None:
@@ -55,6 +56,9 @@ class FakeHandle:
     def abort(self) -> None:
         self.aborted = True
         self.finished = True
+
+    def abort_sequence(self, index: int) -> None:
+        self.aborted_sequences.append(index)
 
     def close(self) -> None:
         if not self.finished:
@@ -164,6 +168,25 @@ def test_generation_stop_string_aborts_the_engine(tokenizer, text_tokens) -> Non
     assert client.handles[0].aborted
     consumed = len(tokenizer.encode("Hello world, this is a test. STOP"))
     assert gen.completion_tokens <= consumed + 1 < len(text_tokens)
+
+
+def test_generation_stop_string_in_one_of_n_stops_only_that_sequence(tokenizer, text_tokens) -> None:
+    other_text = "a plain sentence that runs on and on, " * 4
+    other = tokenizer.encode(other_text)
+
+    def script(add: AddRequest) -> list[RequestOutput | None]:
+        outs: list[RequestOutput | None] = []
+        for k in range(max(len(text_tokens), len(other))):
+            for i, tokens in enumerate((text_tokens, other)):
+                if k < len(tokens):
+                    outs.append(RequestOutput(add.request_id, i, [tokens[k]], "length" if k == len(tokens) - 1 else None))
+        return outs
+
+    client = FakeClient(script)
+    _, texts, finish = run_generation(client, tokenizer, SamplingParams(n=2, max_tokens=100, stop=["STOP"]))
+    assert finish[0] == ("stop", "STOP") and texts[0] == "Hello world, this is a test. "
+    assert finish[1] == ("length", None) and texts[1] == other_text
+    assert client.handles[0].aborted_sequences == [0]
 
 
 def test_generation_include_stop_str(tokenizer, text_tokens) -> None:

@@ -26,6 +26,7 @@ SAMPLES = [
     UtilityCall("u1", "c1", "reset_prefix_cache", [1, "x", None]),
     StartWave(7, None),
     StartWave(8, "e1"),
+    AbortRequests(["r1"], "c1", index=1),
     EngineOutputs(
         "e0",
         [

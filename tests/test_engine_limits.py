@@ -77,3 +77,21 @@ def test_out_of_vocab_stop_token_is_rejected(llama_dir: str) -> None:
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.engine.add_request("bad", [5, 6], SamplingParams(min_tokens=2, stop_token_ids=[10**6]))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_abort_one_sequence_of_n(llama_dir: str) -> None:
+    llm = make_llm(llama_dir)
+    core = llm.engine
+    core.add_request("r", PROMPTS[2], greedy(12, n=2))
+    core.step()
+    core.step()
+    outs = core.abort_sequence("r", 0)
+    assert [(o.request_id, o.index, o.finish_reason) for o in outs] == [("r", 0, "abort")]
+    assert core.abort_sequence("r", 0) == []
+    tokens = []
+    while core.has_unfinished_requests():
+        for out in core.step():
+            assert out.index == 1
+            tokens += out.new_token_ids
+    assert len(tokens) >= 10
+    assert_all_blocks_free(llm)
