@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import redis
@@ -68,6 +68,10 @@ def _parse(name: str, raw: bytes) -> Any:
 def decode_fields(raw: Mapping[bytes, bytes]) -> dict[str, Any]:
     """Inverse of `encode_fields` for a HGETALL reply (JSON values stay strings)."""
     return {k.decode("utf-8", "replace"): _parse(k.decode("utf-8", "replace"), v) for k, v in raw.items()}
+
+
+class DeclaredDead(Exception):
+    """This engine incarnation was declared dead; it must register again (a new incarnation)."""
 
 
 class EngineRegistry:
@@ -138,15 +142,21 @@ class EngineRegistry:
         p.hset(self.keys.engine(engine_id), mapping=encode_fields(stats))
 
     def heartbeat(self, engine_id: str, ttl: float) -> bool:
-        """Refresh the alive key (TTL `ttl` seconds); return True if the registration had to be restored."""
+        """Refresh the alive key (TTL `ttl` seconds); return True if the registration had to be restored.
+
+        Raises `DeclaredDead` if the coordinator marked this incarnation dead (its heartbeat lapsed, e.g.
+        the process was paused): its requests were already failed or re-placed, so it must rejoin.
+        """
         with self._lock:
             record = self._records.get(engine_id)
         incarnation = record["incarnation"] if record else "unknown"
         p = self._redis.pipeline(transaction=False)
         p.set(self.keys.engine_alive(engine_id), incarnation, px=max(1, int(ttl * 1000)))
         p.sadd(self.keys.engines(), engine_id)
-        p.hget(self.keys.engine(engine_id), "incarnation")
-        stored = p.execute()[2]
+        p.hmget(self.keys.engine(engine_id), "incarnation", "state")
+        stored, state = p.execute()[2]
+        if state == EngineState.DEAD.value.encode() and stored == incarnation.encode():
+            raise DeclaredDead(f"engine {engine_id} was declared dead (its heartbeat lapsed)")
         # Compare the incarnation, not the key's existence: after a restart a stats write can
         # re-create the hash with counters only, which must not pass for a registration.
         if record is None or stored == incarnation.encode():
@@ -214,11 +224,14 @@ class EngineRegistry:
 class EngineHeartbeat:
     """Daemon thread calling `registry.heartbeat(engine_id, ttl)` every `interval` (default ttl/3).
 
-    Redis errors are logged and retried at the next beat; they never stop the thread.
+    Redis errors are logged and retried at the next beat; they never stop the thread. When the
+    incarnation was declared dead, `on_declared_dead()` is called (at every beat until it rejoins).
     """
 
-    def __init__(self, registry: EngineRegistry, engine_id: str, ttl: float = 10.0, interval: float | None = None) -> None:
+    def __init__(self, registry: EngineRegistry, engine_id: str, ttl: float = 10.0, interval: float | None = None,
+                 on_declared_dead: Callable[[], None] | None = None) -> None:
         self._registry = registry
+        self._on_declared_dead = on_declared_dead
         self._engine_id = engine_id
         self._ttl = ttl
         self._interval = interval if interval is not None else ttl / 3
@@ -245,6 +258,10 @@ class EngineHeartbeat:
     def _beat(self) -> None:
         try:
             self._registry.heartbeat(self._engine_id, self._ttl)
+        except DeclaredDead as e:
+            logger.warning("%s", e)
+            if self._on_declared_dead is not None:
+                self._on_declared_dead()
         except redis.RedisError as e:
             (logger.debug if self._failing else logger.warning)("engine %s: heartbeat failed: %s", self._engine_id, e)
             self._failing = True

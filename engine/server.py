@@ -50,6 +50,7 @@ from engine.dp_wave import IDLE_WAIT, DpWaves
 logger = logging.getLogger(__name__)
 
 _CLIENT_GONE = object()
+_REJOIN = object()
 
 
 @dataclass
@@ -117,9 +118,9 @@ class EngineServer:
             logger.error("engine %s: %s", self.engine_id, exc)
             return 1
         self.reader.reset()
-        self.registry.register(self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
-                                                "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl})
-        heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl).start()
+        self._register()
+        heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl,
+                                    on_declared_dead=lambda: self.input_queue.put((_REJOIN, None))).start()
         try:
             self.core = EngineCore(self.config)
         except Exception:
@@ -128,8 +129,7 @@ class EngineServer:
             self.registry.deregister(self.engine_id)
             return 1
         self.waves.load()
-        self.registry.mark_ready(self.engine_id, self.core.num_kv_blocks, self.config.block_size,
-                                 self.core.max_model_len)
+        self._mark_ready()
         logger.info("engine %s READY: %d KV blocks of %d tokens, max_model_len %d", self.engine_id,
                     self.core.num_kv_blocks, self.config.block_size, self.core.max_model_len)
         threads = [threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
@@ -151,6 +151,29 @@ class EngineServer:
         self.core.shutdown()
         logger.info("engine %s stopped", self.engine_id)
         return code
+
+    def _register(self) -> None:
+        self.registry.register(self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
+                                                "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl})
+
+    def _mark_ready(self) -> None:
+        self.registry.mark_ready(self.engine_id, self.core.num_kv_blocks, self.config.block_size,
+                                 self.core.max_model_len)
+
+    def _rejoin(self, batch: StepBatch) -> None:
+        """Declared dead (e.g. paused past the heartbeat TTL): clients already failed or re-placed its
+        requests, so end them here too and come back as a new incarnation with a fresh stream."""
+        info = self.registry.get(self.engine_id)
+        if info is not None and info.get("state") != EngineState.DEAD:
+            return  # already rejoined (the heartbeat reports at every beat until then)
+        logger.warning("engine %s: rejoining as a new incarnation; ending %d requests", self.engine_id,
+                       len(self.in_flight))
+        self._abort_all(batch, make_error(ErrorCode.ENGINE_GONE, f"engine {self.engine_id} was declared dead"))
+        batch.ack_ids.clear()
+        self.reader.reset()
+        self._register()
+        self.registry.heartbeat(self.engine_id, self.heartbeat_ttl)
+        self._mark_ready()
 
     def request_drain(self, *_: object) -> None:
         """Signal handler: stop taking traffic, finish what is in flight, then exit."""
@@ -224,7 +247,9 @@ class EngineServer:
                 return
 
     def _handle(self, batch: StepBatch, message_id, msg) -> None:
-        if message_id is _CLIENT_GONE:
+        if message_id is _REJOIN:
+            self._rejoin(batch)
+        elif message_id is _CLIENT_GONE:
             # Outputs of these requests reached no subscriber: their client is gone, or lost its
             # subscription and so fails them itself. Only these requests: a client that is back may
             # already have sent new ones. Sequence numbers are never reset (see OutputPublisher).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -16,6 +17,7 @@ import redis
 from stack_procs import poll, quiet_cli
 
 from broker.client import BrokerClient
+from broker.connection import connect
 from broker.keys import RedisKeys
 from broker.messages import AddRequest
 from broker.registry import EngineRegistry
@@ -197,3 +199,35 @@ def test_kill_9_under_load_completes_or_fails_every_request(stack):
     poll(lambda: set(stack.redis.hkeys(stack.keys.lb())) == {b"0"}, 5, "rs:lb without engine 1")
     after = stack.submit(max_tokens=4)
     assert after.engine_id == "0" and _finish(after)[1] == "length"
+
+
+def test_engine_declared_dead_rejoins_as_a_new_incarnation(tiny_llama_dir, redis_url, redis_keys) -> None:
+    """An engine whose heartbeat lapsed (say it was paused) and that the coordinator marked dead comes
+    back by itself: a new incarnation, state ready, a fresh stream, and it serves again."""
+    proc = subprocess.Popen([sys.executable, "-m", "redserve.cli", "engine", "--model", tiny_llama_dir, "--redis-url",
+                             redis_url, "--key-prefix", redis_keys.prefix, "--dtype", "float32",
+                             "--heartbeat-ttl", "1.5"], stdin=subprocess.DEVNULL)
+    client = BrokerClient(redis_url, keys=redis_keys).start()
+    redis_client = connect(redis_url)
+    registry = EngineRegistry(redis_client, redis_keys)
+    try:
+        poll(lambda: client.ready_engines(), 120, "the engine to be ready")
+        first = registry.get("0")["incarnation"]
+        # What the coordinator's mark-dead script does to an engine whose heartbeat it found gone.
+        redis_client.hset(redis_keys.engine("0"), mapping={"state": "dead", "dead_at": time.time()})
+        redis_client.srem(redis_keys.engines(), "0")
+        redis_client.delete(redis_keys.request_stream("0"))
+        info = poll(lambda: (e := registry.get("0")) and e.get("state") == "ready" and e["incarnation"] != first and e,
+                    30, "the engine to rejoin")
+        assert info["alive"]
+        poll(lambda: any(e["incarnation"] == info["incarnation"] for e in client.ready_engines()), 10,
+             "the client to see the new incarnation")
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True).to_dict()
+        with client.submit(AddRequest("after", "", [5, 6, 7], params, time.time(), time.time() + 60)) as handle:
+            tokens = [t for out in handle for t in out.new_token_ids]
+        assert len(tokens) == 5
+        assert proc.poll() is None
+    finally:
+        client.stop()
+        proc.terminate()
+        proc.wait(timeout=30)
