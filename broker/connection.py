@@ -17,8 +17,10 @@ Rules:
 
 from __future__ import annotations
 
+import re
 import socket
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -77,3 +79,23 @@ def wait_for_redis(url: str, timeout: float = 10.0) -> None:
             time.sleep(0.05)
     finally:
         client.close()
+
+
+def mask_url(url: str) -> str:
+    """`url` with its password (and any query secrets such as ``password=``) replaced by ``***``: the only
+    form of a Redis URL that may reach a log line, a status report or stdout."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}" if not user else f"{user}@{host}"
+        if ":" not in userinfo:  # redis://SECRET@host: a lone userinfo is the password in redis-py
+            netloc = f"***@{host}"
+    query = re.sub(r"(?i)(password|passwd|pass)=[^&]*", r"\1=***", parts.query)
+    if not netloc:  # unix:///path: urlunsplit would drop the empty authority
+        return f"{parts.scheme}://{parts.path}" + (f"?{query}" if query else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
