@@ -6,10 +6,13 @@ POST /tokenize, POST /detokenize, GET /metrics.
 Rules:
 - Every error is OpenAI's error JSON (`api.errors`), including unknown routes (404), wrong methods
   (405), oversized bodies (413) and anything unexpected (500, logged); no input takes a process down.
-- With an API key configured, /v1/* needs ``Authorization: Bearer <key>`` (401 otherwise);
-  /health, /metrics, /version, /tokenize and /detokenize stay open (as in vLLM).
+- With an API key configured, every route needs ``Authorization: Bearer <key>`` (401 otherwise, unknown
+  paths included) except /health, and /metrics when ``--public-metrics`` says so.
+- Request paths in log lines are escaped (`api.log_safety.printable`): one line per event.
 - Bodies are JSON objects; invalid JSON (NaN and Infinity included) is a 400.
-- /health is 200 when at least one READY engine has a live heartbeat, else 503.
+- /health is 200 when at least one READY engine has a live heartbeat, else 503 with the reason in
+  `status` (never 500: garbage in Redis is skipped by the readers, anything else is "control state
+  unreadable").
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from api.completions import create_completion
 from api.config import ApiConfig
 from api.errors import ApiError, bad_request
 from api.generation import ClientDisconnected
+from api.log_safety import printable
 from api.metrics import EngineStatsCollector, render_metrics
 from api.protocol import Body, parse_messages
 from api.serving import check_model, prompt_token_ids
 from api.state import ApiState, disconnect_probe
 from broker.errors import BrokerError
+from broker.log_limits import warn_every
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +52,14 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
     app.json.sort_keys = False
     state = state or ApiState(config)
     app.extensions[STATE_KEY] = state
-    collector = EngineStatsCollector(config.model_name, state.live_engines)
+    collector = EngineStatsCollector(config.model_name, state.live_engines, state.child_restarts)
     created = int(time.time())
+
+    open_paths = {"/health", "/metrics"} if config.public_metrics else {"/health"}
 
     @app.before_request
     def check_api_key() -> None:
-        if config.api_key and request.path.startswith("/v1") and request.method != "OPTIONS":
+        if config.api_key and request.path not in open_paths and request.method != "OPTIONS":
             header = request.headers.get("Authorization", "")
             given = header[7:].strip() if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), config.api_key.encode()):
@@ -81,6 +88,9 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
             engines = state.ready_engines()
         except BrokerError as e:
             return _status(503, f"the broker is unavailable: {e}", 0)
+        except Exception as e:  # noqa: BLE001 - /health says 503 with a reason, never 500
+            warn_every(logger, f"health:{type(e).__name__}", 60.0, "/health: control state unreadable", exc_info=e)
+            return _status(503, f"control state unreadable: {type(e).__name__}: {e}", 0)
         if not engines:
             return _status(503, f"no engine is ready; registered: {_engine_summary(state)}", 0)
         return _status(200, "ok", len(engines))
@@ -141,9 +151,12 @@ def _probe():
 
 
 def _render_chat(state: ApiState, body: Body) -> str:
+    kwargs = dict(body.get("chat_template_kwargs", "dict", {}))
+    if body.has("chat_template"):
+        kwargs["chat_template"] = body.get("chat_template", "str")
     try:
         return state.tokenizer.render_chat(parse_messages(body), body.get("add_generation_prompt", "bool", True),
-                                           **body.get("chat_template_kwargs", "dict", {}))
+                                           **kwargs)
     except ValueError as e:
         raise bad_request(str(e), param="messages") from e
 
@@ -188,10 +201,15 @@ def _error_response(error: ApiError) -> Response:
     return response
 
 
+def _request_line() -> str:
+    """The method and path of the current request, escaped for a log line."""
+    return f"{printable(request.method, limit=20)} {printable(request.path)}"
+
+
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def api_error(e: ApiError) -> Response:
-        logger.debug("%s %s -> %d %s", request.method, request.path, e.status, e.message)
+        logger.debug("%s -> %d %s", _request_line(), e.status, printable(e.message, limit=500))
         return _error_response(e)
 
     @app.errorhandler(HTTPException)
@@ -207,5 +225,5 @@ def _register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def unexpected(e: Exception) -> Response:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
+        logger.exception("unhandled error on %s", _request_line())
         return _error_response(ApiError(500, f"internal server error ({type(e).__name__}); see the server log"))

@@ -26,8 +26,10 @@ from api.protocol import ChatRequest, parse_chat_request
 from api.serving import (
     ChoiceResult,
     Run,
+    admit,
     check_model,
     collect,
+    context_length,
     fit_params,
     prefetched,
     prompt_token_ids,
@@ -44,24 +46,27 @@ def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable
     """Answer one /v1/chat/completions body (ApiError for bad input; see the module rules)."""
     request = parse_chat_request(data)
     check_model(state, request.model)
-    prompt = render_prompt(state, request)
-    params = fit_params(state, [prompt], request.params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    run = start_run(state, [prompt], params, request_id, is_disconnected)
+    with admit(state, 1, request.params.n) as slots:
+        max_model_len = context_length(state)
+        prompt = render_prompt(state, request, max_model_len)
+        params = fit_params(state, [prompt], request.params, max_model_len)
+        run = start_run(state, [prompt], params, request_id, is_disconnected, slots)
     view = _ChatView(state, request, run, request_id)
     if request.stream:
         return sse_response(sse_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
     return jsonify(view.response(collect(run)))
 
 
-def render_prompt(state: ApiState, request: ChatRequest) -> list[int]:
-    """The prompt token ids of a chat request (ApiError 400 if the template cannot render it)."""
+def render_prompt(state: ApiState, request: ChatRequest, max_model_len: int | None = None) -> list[int]:
+    """The prompt token ids of a chat request (ApiError 400 if the template cannot render it, or if the
+    text cannot fit `max_model_len`: see `prompt_token_ids`)."""
     try:
         text = state.tokenizer.render_chat(request.messages, request.add_generation_prompt,
                                            **request.chat_template_kwargs)
     except ValueError as e:
         raise bad_request(str(e), param="messages") from e
-    return prompt_token_ids(state, text, add_special_tokens=False)
+    return prompt_token_ids(state, text, add_special_tokens=False, max_model_len=max_model_len)
 
 
 class _ChatView:

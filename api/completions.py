@@ -25,8 +25,10 @@ from api.protocol import CompletionRequest, parse_completion_request
 from api.serving import (
     ChoiceResult,
     Run,
+    admit,
     check_model,
     collect,
+    context_length,
     fit_params,
     prefetched,
     prompt_token_ids,
@@ -43,10 +45,12 @@ def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], 
     """Answer one /v1/completions body (ApiError for bad input; see the module rules)."""
     request = parse_completion_request(data)
     check_model(state, request.model)
-    prompts = [prompt_token_ids(state, p) for p in request.prompts]
-    params = fit_params(state, prompts, request.params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    run = start_run(state, prompts, params, request_id, is_disconnected)
+    with admit(state, len(request.prompts), request.params.n) as slots:
+        max_model_len = context_length(state)
+        prompts = [prompt_token_ids(state, p, max_model_len=max_model_len) for p in request.prompts]
+        params = fit_params(state, prompts, request.params, max_model_len)
+        run = start_run(state, prompts, params, request_id, is_disconnected, slots)
     view = _CompletionView(state, request, run, prompts, request_id)
     if request.stream:
         deltas = prefetched(run)

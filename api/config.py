@@ -12,7 +12,11 @@ class ApiConfig:
     """Settings of one API deployment (shared by every gunicorn worker).
 
     `served_model_names` defaults to the basename of `model`; requests may also name the model by
-    the `model` path as given. `api_key` None leaves the /v1 routes open.
+    the `model` path as given. Overload (per API process): `max_queued_requests` in-flight slots
+    (prompts x n) before 429; 429 too while every READY engine has `max_engine_waiting` requests
+    waiting; 503 when the chosen engine's request stream holds `max_engine_backlog` messages. `api_key` None leaves every route open; with a key, every route but
+    /health needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
+    requests carry their own chat template (the caller's Jinja runs here).
     """
 
     model: str
@@ -20,9 +24,14 @@ class ApiConfig:
     served_model_names: list[str] = field(default_factory=list)
     key_prefix: str = "rs"
     api_key: str | None = None
-    max_queued_requests: int = 1024
+    max_queued_requests: int = 64
+    max_engine_waiting: int = 512
+    max_engine_backlog: int = 10_000
     request_timeout: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
+    public_metrics: bool = False
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.redis_url:
@@ -34,11 +43,15 @@ class ApiConfig:
         if not self.served_model_names:
             self.served_model_names = [os.path.basename(os.path.normpath(self.model))]
         if self.max_queued_requests < 1:
-            raise ValueError("--max-queued-requests must be at least 1")
+            raise ValueError("--max-concurrent-streams must be at least 1")
+        if self.max_engine_waiting < 1 or self.max_engine_backlog < 1:
+            raise ValueError("--max-engine-waiting and --max-engine-backlog must be at least 1")
         if self.request_timeout <= 0:
             raise ValueError("--request-timeout must be positive")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        if self.chat_template_timeout <= 0:
+            raise ValueError("--chat-template-timeout must be positive")
 
     @property
     def model_name(self) -> str:
@@ -55,5 +68,9 @@ class ApiConfig:
     def from_args(cls, args: argparse.Namespace) -> ApiConfig:
         return cls(model=args.model, redis_url=args.redis_url, served_model_names=list(args.served_model_name or []),
                    key_prefix=args.key_prefix, api_key=args.api_key or None,
-                   max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
-                   max_body_bytes=args.max_body_bytes)
+                   max_queued_requests=args.max_queued_requests, max_engine_waiting=args.max_engine_waiting,
+                   max_engine_backlog=args.max_engine_backlog, request_timeout=args.request_timeout,
+                   max_body_bytes=args.max_body_bytes,
+                   public_metrics=args.public_metrics,
+                   trust_request_chat_template=args.trust_request_chat_template,
+                   chat_template_timeout=args.chat_template_timeout)

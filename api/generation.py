@@ -2,7 +2,7 @@
 
 Rules:
 - One `AddRequest` per prompt (ids ``{request_id}`` for one prompt, ``{request_id}-{p}`` for several);
-  the engine expands n > 1. Choice index = prompt index * n + sequence index (OpenAI's order).
+  the engine expands n > 1. Its params are `SamplingParams.to_engine_dict()`: stop strings stay here. Choice index = prompt index * n + sequence index (OpenAI's order).
 - Iterating yields `SequenceDelta`s: text made final by the incremental detokenizer, after stop
   strings, with the tokens (and logprob entries) that produced it. Each choice ends with exactly one
   delta carrying its finish_reason ("stop", "length", or "abort" if the engine cut it).
@@ -151,7 +151,7 @@ class Generation:
         try:
             for p, (ids, params) in enumerate(zip(self.prompts, self.params, strict=True)):
                 rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{p}"
-                add = AddRequest(rid, "", ids, params.to_dict(), time.time(), self._deadline)
+                add = AddRequest(rid, "", ids, params.to_engine_dict(), time.time(), self._deadline)
                 self._handles.append(self._submitter.submit(add))
         except BaseException:
             self.close()

@@ -13,6 +13,8 @@ Rules:
 - Engine gauges are read from the engines' Redis hashes at scrape time, not kept here:
   num_requests_running / num_requests_waiting / kv_cache_usage_perc {engine}, and engines_ready.
   If Redis cannot be read the scrape still succeeds, with ``redserve:broker_up 0``.
+- ``redserve_child_restarts_total{child}`` (a counter): restarts of each child of ``redserve serve``,
+  read at scrape time from the stack's Redis hash ``{prefix}:stack:restarts``; absent without a stack.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
@@ -85,9 +87,11 @@ class RequestRecorder:
 class EngineStatsCollector:
     """Gauges read from the engines' Redis hashes at scrape time; see the module rules."""
 
-    def __init__(self, model_name: str, read_engines: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, model_name: str, read_engines: Callable[[], list[dict[str, Any]]],
+                 read_restarts: Callable[[], dict[str, int]] | None = None) -> None:
         self._model_name = model_name
         self._read_engines = read_engines
+        self._read_restarts = read_restarts
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("redserve:broker_up", "1 if the API could read the engine registry from Redis.")
@@ -119,6 +123,20 @@ class EngineStatsCollector:
                     family.add_metric([self._model_name, str(engine["engine_id"])], value)
         yield ready
         yield from families.values()
+        yield from self._restarts()
+
+    def _restarts(self) -> Iterator[Metric]:
+        try:
+            restarts = self._read_restarts() if self._read_restarts is not None else {}
+        except Exception as e:  # noqa: BLE001 - a bad restarts hash must not hide the engine gauges
+            logger.warning("metrics: cannot read the stack's restart counts from Redis: %s", e)
+            return
+        if restarts:
+            counter = CounterMetricFamily("redserve_child_restarts", "Restarts of a child of `redserve serve`.",
+                                          labels=["child"])
+            for child, count in sorted(restarts.items()):
+                counter.add_metric([child], count)
+            yield counter
 
 
 def render_metrics(engine_collector: EngineStatsCollector) -> tuple[bytes, str]:

@@ -2,9 +2,14 @@
 
 Rules:
 - Importing this module is cheap (argparse and os only): ``redserve.cli`` imports it to build its parser.
-- Environment defaults: ``REDSERVE_REDIS_URL``, ``REDSERVE_API_KEY``, ``REDSERVE_KEY_PREFIX``.
+- Environment defaults: ``REDSERVE_REDIS_URL``, ``REDSERVE_API_KEY``, ``REDSERVE_KEY_PREFIX``; switches
+  from ``REDSERVE_PUBLIC_METRICS`` and ``REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE`` (1/true/yes turn them on).
 - ``--log-level`` defaults to ``argparse.SUPPRESS`` so that ``redserve --log-level DEBUG api ...``
   (the top-level option) is not overwritten by a subcommand default.
+- Overload, per worker process: ``--max-concurrent-streams`` (alias ``--max-queued-requests``) slots
+  of prompt x n are admitted, the rest get 429 + Retry-After at once; gunicorn's ``--threads``
+  default to that limit + `THREAD_RESERVE`, so a thread is always free for /health, /metrics and
+  the 429s (``--threads`` at or below the limit is a config error). Workers x limit bounds the streams.
 - ``--served-model-name`` defaults to the basename of ``--model``; requests may name the model by
   any served name or by the ``--model`` path itself.
 """
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
+
+THREAD_RESERVE = 16  # gunicorn threads per worker beyond the in-flight limit: /health, /metrics, 429s
 
 
 def add_api_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,15 +37,38 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
-    parser.add_argument("--threads", type=int, default=64,
-                        help="threads per worker = concurrent requests (and streams) per worker")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="gunicorn threads per worker; must exceed --max-concurrent-streams so that /health, "
+                             f"/metrics and 429 answers always find one (default: that limit + {THREAD_RESERVE})")
     parser.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on /v1 routes (default: $REDSERVE_API_KEY)")
-    parser.add_argument("--max-queued-requests", type=int, default=1024,
-                        help="requests in flight per API process before answering 429")
+                        help="require `Authorization: Bearer KEY` on every route but /health "
+                             "(default: $REDSERVE_API_KEY)")
+    parser.add_argument("--public-metrics", action="store_true", default=env_switch("REDSERVE_PUBLIC_METRICS"),
+                        help="serve /metrics without the API key, e.g. to a Prometheus scraper on a trusted "
+                             "network (default: $REDSERVE_PUBLIC_METRICS=1)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        default=env_switch("REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE"),
+                        help="render chat templates that requests carry ('chat_template'): the caller's Jinja "
+                             "runs in the server; refused (400) without this flag "
+                             "(default: $REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1)")
+    parser.add_argument("--chat-template-timeout", type=float, default=2.0,
+                        help="seconds a chat template may render before the request is refused (400)")
+    parser.add_argument("--max-concurrent-streams", "--max-queued-requests", dest="max_queued_requests", type=int,
+                        default=64, help="generation slots in flight per API worker process, one per prompt x n "
+                                         "(streamed or not); a request that does not fit gets 429 + Retry-After")
+    parser.add_argument("--max-engine-waiting", type=int, default=512,
+                        help="answer 429 while every READY engine has this many requests waiting to be scheduled")
+    parser.add_argument("--max-engine-backlog", type=int, default=10_000,
+                        help="answer 503 (engine_overloaded) when the chosen engine's request stream already holds "
+                             "this many unread or in-flight requests (requests are never dropped unread)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds a request may run before it is failed and aborted")
     parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                         help="largest request body accepted (413 above)")
     parser.add_argument("--log-level", default=argparse.SUPPRESS,
                         help="logging level (default: the top-level --log-level, else INFO)")
+
+
+def env_switch(name: str) -> bool:
+    """True when the environment variable `name` says yes (1, true, yes, on)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

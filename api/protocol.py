@@ -7,7 +7,9 @@ Rules:
 - vLLM's extra sampling fields are accepted: top_k, min_p, repetition_penalty, ignore_eos,
   min_tokens, stop_token_ids, seed, include_stop_str_in_output, skip_special_tokens; and vLLM's
   `return_tokens_as_token_ids` (logprob tokens written "token_id:N").
-- The sampling parameters are checked by `SamplingParams` (its ValueError becomes a 400).
+- The sampling parameters are checked by `SamplingParams` (its ValueError becomes a 400 naming the
+  field). Bounded cost: at most 16 stop strings of 4096 UTF-8 bytes in all, at most 1024
+  stop_token_ids (400 naming `stop` / `stop_token_ids`).
   `max_tokens` None means "up to the context length": the caller fills it in once the prompt
   length and the engine's max_model_len are known (`fit_to_context`).
 - Completions: `max_tokens` absent -> 16 (OpenAI's default), null -> up to the context.
@@ -24,9 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import bad_request
-from broker.sampling_params import MAX_LOGPROBS, SamplingParams
+from broker.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 _MISSING = object()
 
 
@@ -153,26 +162,32 @@ def parse_chat_request(data: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = body.get("max_tokens", "int")
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None)
-    template_kwargs = body.get("chat_template_kwargs", "dict", {})
+    template_kwargs = dict(body.get("chat_template_kwargs", "dict", {}))
+    if body.has("chat_template"):  # the caller's own template: refused unless the server trusts them
+        template_kwargs["chat_template"] = body.get("chat_template", "str")
     return ChatRequest(**_common(body, params), messages=parse_messages(body),
                        add_generation_prompt=body.get("add_generation_prompt", "bool", True),
-                       chat_template_kwargs=dict(template_kwargs), logprobs=logprobs,
+                       chat_template_kwargs=template_kwargs, logprobs=logprobs,
                        top_logprobs=top_logprobs or 0)
 
 
 def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int | None) -> SamplingParams:
-    """Check the prompt (+ max_tokens) against the context; fill in max_tokens None. ApiError 400."""
+    """Check the prompt (+ max_tokens, or min_tokens when max_tokens is None) against the context;
+    fill in max_tokens None. ApiError 400 naming the field to reduce."""
     if max_model_len is None:
         if params.max_tokens is None:
             raise bad_request("'max_tokens' is required: the model's context length is not known yet")
         return params
-    wanted = prompt_len + (params.max_tokens or 1)
+    completion = params.max_tokens if params.max_tokens is not None else max(1, params.min_tokens)
+    wanted = prompt_len + completion
     if prompt_len >= max_model_len or wanted > max_model_len:
+        field_name = "min_tokens" if params.max_tokens is None else "max_tokens"
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{wanted} tokens ({prompt_len} in the prompt, {wanted - prompt_len} in the completion). "
+            f"{wanted} tokens ({prompt_len} in the prompt, {completion} in the completion"
+            f"{' by min_tokens' if field_name == 'min_tokens' else ''}). "
             "Please reduce the length of the prompt or of the completion.",
-            param="max_tokens" if prompt_len < max_model_len else "prompt", code="context_length_exceeded")
+            param=field_name if prompt_len < max_model_len else "prompt", code="context_length_exceeded")
     if params.max_tokens is None:
         return dataclasses.replace(params, max_tokens=max_model_len - prompt_len)
     return params
@@ -196,6 +211,7 @@ def _sampling_params(body: Body, max_tokens: int | None, logprobs: int | None) -
         raise bad_request("'seed' must fit in a signed 64-bit integer", param="seed")
     if any(t < 0 or t > _INT64_MAX for t in values["stop_token_ids"] or []):
         raise bad_request("'stop_token_ids' must be non-negative token ids", param="stop_token_ids")
+    _check_stop_sizes(values["stop"], values["stop_token_ids"])
     best_of = body.get("best_of", "int")
     if best_of is not None and best_of != values["n"]:
         raise bad_request("'best_of' is not supported (only best_of == n)", param="best_of")
@@ -204,7 +220,22 @@ def _sampling_params(body: Body, max_tokens: int | None, logprobs: int | None) -
     try:
         return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
     except (ValueError, TypeError) as e:
-        raise bad_request(str(e)) from e
+        named = str(e).split(" ", 1)[0].strip(":'")
+        raise bad_request(str(e), param=named if named in _PARAM_NAMES else None) from e
+
+
+def _check_stop_sizes(stop: str | list[str] | None, stop_token_ids: list[int] | None) -> None:
+    """The bounded-cost rules of `SamplingParams`, as 400s naming the field, before anything is built."""
+    strings = [stop] if isinstance(stop, str) else stop or []
+    if len(strings) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' may list at most {MAX_STOP_STRINGS} strings, got {len(strings)}", param="stop")
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in strings)
+    if size > MAX_STOP_BYTES:
+        raise bad_request(f"'stop' strings may hold at most {MAX_STOP_BYTES} bytes (UTF-8) in all, got {size}",
+                          param="stop")
+    if len(stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"'stop_token_ids' may list at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}",
+                          param="stop_token_ids")
 
 
 def _reject_unsupported(body: Body) -> None:

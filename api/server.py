@@ -1,9 +1,14 @@
 """``redserve api``: the Flask app under gunicorn, run programmatically.
 
 Rules:
-- `--workers` processes of the ``gthread`` worker class, `--threads` threads each: one thread per
-  request in flight, so streams x workers bounds the concurrent streams. Gunicorn's worker timeout
-  is a liveness check of the worker's main loop (not of a request), so long streams are fine.
+- `--workers` processes of the ``gthread`` worker class, `--threads` threads each; a request holds
+  one thread while it runs (a stream: until its end). Gunicorn queues connections beyond the threads
+  where nothing answers them, so the threads must outnumber the requests a worker admits: each
+  worker admits `--max-concurrent-streams` slots (prompt x n; `api.state.InFlightLimiter`) and
+  answers the rest 429 at once, and `--threads` defaults to that limit + `THREAD_RESERVE` (a value at
+  or below the limit is a config error), so /health, /metrics and the 429s always find a thread.
+  Workers x limit bounds the concurrent streams. Gunicorn's worker timeout is a liveness check of
+  the worker's main loop (not of a request), so long streams are fine.
 - The app is loaded in each worker after fork (no preload): its `ApiState`, the `BrokerClient`
   and every Redis connection belong to one process. post_worker_init subscribes the worker's
   client early; worker_exit stops it, failing and ABORTing what is still in flight.
@@ -27,6 +32,7 @@ from typing import Any
 from gunicorn.app.base import BaseApplication
 
 from api.config import ApiConfig
+from api.options import THREAD_RESERVE
 from redserve.proctitle import set_title
 
 logger = logging.getLogger(__name__)
@@ -84,12 +90,22 @@ def _child_exit(server: Any, worker: Any) -> None:
     mark_worker_dead(worker.pid)
 
 
+def worker_threads(args: argparse.Namespace) -> int:
+    """`--threads`, or the in-flight limit + `THREAD_RESERVE`; ValueError if it leaves no spare thread."""
+    limit = args.max_queued_requests
+    threads = args.threads if args.threads is not None else limit + THREAD_RESERVE
+    if threads <= limit:
+        raise ValueError(f"--threads ({threads}) must exceed --max-concurrent-streams ({limit}): the spare threads "
+                         "answer /health, /metrics and 429s while the admitted requests hold theirs")
+    return threads
+
+
 def gunicorn_options(args: argparse.Namespace, log_level: str) -> dict[str, Any]:
     return {
         "bind": f"{args.host}:{args.port}",
         "workers": args.workers,
         "worker_class": "gthread",
-        "threads": args.threads,
+        "threads": worker_threads(args),
         "timeout": WORKER_TIMEOUT,
         "graceful_timeout": GRACEFUL_TIMEOUT,
         "keepalive": 5,
@@ -112,8 +128,9 @@ def run_api(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(log_level.upper())
     try:
         config = ApiConfig.from_args(args)
-        if args.workers < 1 or args.threads < 1:
-            raise ValueError("--workers and --threads must be at least 1")
+        if args.workers < 1:
+            raise ValueError("--workers must be at least 1")
+        worker_threads(args)
     except ValueError as e:
         print(f"redserve api: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,13 @@ collecting it (non-streaming) or streaming it as server-sent events.
 Rules:
 - Everything that can be checked is checked before the engine sees the request: model name (404),
   token ids in the vocabulary, prompt + max_tokens within the engines' max_model_len (400).
-- A run holds one in-flight slot per prompt from `start_run` until `Run.close()` (429 when full).
+- Cost is bounded before work: `admit` takes the request's in-flight slots (prompts x n) right
+  after parsing, before any tokenizing (429 + Retry-After when this process or the engines are
+  full, 400 when the request could never fit); a text prompt longer than the context can hold in
+  characters is refused before it is tokenized (`api.prompt_bound`). The slots are freed if the
+  request fails before it runs, else by `Run.close()`.
+- An engine whose request stream is full (`EngineOverloaded`) is a 503 engine_overloaded with
+  Retry-After: the request was never sent.
 - Streaming waits for the first delta before answering, so a request the engine rejects still gets
   its 4xx/5xx status; after that, an error is an SSE error event followed by ``data: [DONE]``.
 - A client that goes away (a failed write ends the SSE generator; the socket probe notices it
@@ -28,7 +34,7 @@ from api.generation import ClientDisconnected, Generation, GenerationError, Sequ
 from api.metrics import IN_FLIGHT, RequestRecorder
 from api.protocol import fit_to_context
 from api.state import ApiState
-from broker.errors import BrokerUnavailable, MessageError, NoEngineAvailable
+from broker.errors import BrokerUnavailable, EngineOverloaded, MessageError, NoEngineAvailable
 from broker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,9 +52,19 @@ def token_namer(state: ApiState, as_ids: bool) -> Callable[[int], str]:
     return (lambda token_id: f"token_id:{token_id}") if as_ids else state.tokenizer.token_text
 
 
-def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-    """Tokenize a text prompt, or check a token-id prompt against the vocabulary (ApiError 400)."""
+def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_tokens: bool = True,
+                     max_model_len: int | None = None) -> list[int]:
+    """Tokenize a text prompt, or check a token-id prompt against the vocabulary (ApiError 400).
+
+    With `max_model_len`, a text that cannot fit it is refused before tokenizing (`api.prompt_bound`).
+    """
     if isinstance(prompt, str):
+        if max_model_len is not None and state.prompt_bound.too_long(prompt, max_model_len):
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{len(prompt)} characters, more than {max_model_len} tokens can hold (at most "
+                f"{state.prompt_bound.max_chars(max_model_len)}). Please reduce the length of the prompt.",
+                param="prompt", code="context_length_exceeded")
         ids = state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         vocab = state.tokenizer.vocab_size
@@ -61,16 +77,18 @@ def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_token
     return ids
 
 
-def fit_params(state: ApiState, prompts: list[list[int]], params: SamplingParams) -> list[SamplingParams]:
+def fit_params(state: ApiState, prompts: list[list[int]], params: SamplingParams,
+               max_model_len: int | None = None) -> list[SamplingParams]:
     """One SamplingParams per prompt, checked against the context length (needs a ready engine)."""
     vocab = state.tokenizer.vocab_size
     if any(t >= vocab for t in params.stop_token_ids):
         raise bad_request(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-    max_model_len = _max_model_len(state)
+    max_model_len = max_model_len or context_length(state)
     return [fit_to_context(params, len(ids), max_model_len) for ids in prompts]
 
 
-def _max_model_len(state: ApiState) -> int:
+def context_length(state: ApiState) -> int:
+    """The READY engines' max_model_len (ApiError 503 without one)."""
     try:
         return state.max_model_len()
     except NoEngineAvailable as e:
@@ -79,10 +97,48 @@ def _max_model_len(state: ApiState) -> int:
         raise unavailable(f"the broker is unavailable: {e}", code="broker_unavailable") from e
 
 
+class Slots:
+    """In-flight slots taken by `admit`. Used as ``with admit(...) as slots:`` they are freed if the
+    block raises; otherwise whoever took them (a `Run`) frees them with `release()` (idempotent)."""
+
+    def __init__(self, state: ApiState, count: int) -> None:
+        self.state = state
+        self.count = count
+        IN_FLIGHT.labels(state.config.model_name).inc()
+
+    def release(self) -> None:
+        if self.count:
+            self.state.limiter.release(self.count)
+            IN_FLIGHT.labels(self.state.config.model_name).dec()
+            self.count = 0
+
+    def __enter__(self) -> Slots:
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is not None:
+            self.release()
+
+
+def admit(state: ApiState, num_prompts: int, n: int) -> Slots:
+    """Take prompts x n in-flight slots before any other work (ApiError 400: the request can never fit;
+    429 + Retry-After: this process or every engine is full; 503: the broker is unavailable)."""
+    limit, wanted = state.limiter.limit, num_prompts
+    if wanted > limit:
+        raise bad_request(f"this request asks for {num_prompts} prompt(s) x n={n} = {wanted} sequences; at most "
+                          f"{limit} per request on this server", param="prompt" if num_prompts > limit else "n")
+    try:
+        state.check_engine_backlog()
+    except BrokerUnavailable as e:
+        raise unavailable(f"the broker is unavailable: {e}", code="broker_unavailable") from e
+    state.limiter.acquire(wanted)
+    return Slots(state, wanted)
+
+
 class Run:
     """A started `Generation` and the in-flight slots it holds."""
 
-    def __init__(self, state: ApiState, slots: int) -> None:
+    def __init__(self, state: ApiState, slots: Slots) -> None:
         self.state = state
         self.generation: Generation | None = None
         self._slots = slots
@@ -91,20 +147,13 @@ class Run:
         """Abort what still runs, record metrics, free the slots; idempotent."""
         if self.generation is not None:
             self.generation.close()
-        if self._slots:
-            self.state.limiter.release(self._slots)
-            IN_FLIGHT.labels(self.state.config.model_name).dec()
-            self._slots = 0
+        self._slots.release()
 
 
 def start_run(state: ApiState, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-              is_disconnected: Callable[[], bool]) -> Run:
-    """Take the in-flight slots and submit every prompt; broker errors become ApiErrors."""
-    if len(prompts) > state.limiter.limit:
-        raise bad_request(f"at most {state.limiter.limit} prompts per request on this server", param="prompt")
-    state.limiter.acquire(len(prompts))
-    IN_FLIGHT.labels(state.config.model_name).inc()
-    run = Run(state, len(prompts))
+              is_disconnected: Callable[[], bool], slots: Slots) -> Run:
+    """Submit every prompt, holding `slots` until the run closes; broker errors become ApiErrors."""
+    run = Run(state, slots)
     try:
         run.generation = Generation(state.client, state.tokenizer, prompts, params, request_id,
                                     deadline=time.time() + state.config.request_timeout,
@@ -114,6 +163,9 @@ def start_run(state: ApiState, prompts: list[list[int]], params: list[SamplingPa
     except NoEngineAvailable as e:
         run.close()
         raise unavailable(f"no engine is ready: {e}") from e
+    except EngineOverloaded as e:
+        run.close()
+        raise unavailable(f"the engines are overloaded: {e}", code="engine_overloaded") from e
     except BrokerUnavailable as e:
         run.close()
         raise unavailable(f"the broker is unavailable: {e}", code="broker_unavailable") from e

@@ -5,8 +5,12 @@ Rules:
   `BrokerClient` and the registry's Redis connection are created on first use, so building the
   state never touches Redis; `start()` (gunicorn's post_worker_init) subscribes early and `stop()`
   (worker_exit) fails and ABORTs whatever is still in flight.
-- `InFlightLimiter` bounds this process's generation requests (one slot per prompt): over the
-  limit a request gets 429 with Retry-After instead of waiting.
+- `InFlightLimiter` bounds this process's generation work: one slot per prompt x n (per sequence
+  the engines run), taken before any tokenizing; over the limit a request gets 429 with
+  Retry-After at once instead of waiting (gunicorn keeps threads beyond the limit for that: see
+  `api.server`). `check_engine_backlog` also answers 429 while every READY engine already has
+  `max_engine_waiting` requests waiting (their own counters in the registry, as cached by the
+  client's engine selector: no Redis round trip per request).
 - `max_model_len()` is the smallest max_model_len among READY live engines (the one every engine
   can serve); no such engine -> NoEngineAvailable (503).
 """
@@ -18,14 +22,23 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.prompt_bound import PromptCharBound
 from api.tokenizer import ModelTokenizer
 from broker.client import BrokerClient
 from broker.connection import connect
+from broker.control_state import decode_fields, warn_bad
 from broker.errors import NoEngineAvailable
 from broker.keys import EngineState, RedisKeys
 from broker.registry import EngineRegistry
+
+
+def too_busy(reason: str) -> ApiError:
+    """The 429 of an overloaded server: retry after a second."""
+    return ApiError(429, f"{reason}; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
 class InFlightLimiter:
@@ -43,9 +56,8 @@ class InFlightLimiter:
     def acquire(self, slots: int = 1) -> None:
         with self._lock:
             if self._count + slots > self.limit:
-                raise ApiError(429, f"too many requests in flight on this server ({self._count}, limit "
-                                    f"{self.limit}); retry later", code="rate_limit_exceeded",
-                               headers={"Retry-After": "1"})
+                raise too_busy(f"too many requests in flight on this server ({self._count} of {self.limit} slots "
+                               f"taken, this request needs {slots})")
             self._count += slots
 
     def release(self, slots: int = 1) -> None:
@@ -60,25 +72,30 @@ class ApiState:
                  client: BrokerClient | None = None) -> None:
         self.config = config
         self.keys = RedisKeys(config.key_prefix)
-        self.tokenizer = tokenizer or ModelTokenizer(config.model)
+        self.tokenizer = tokenizer or ModelTokenizer(
+            config.model, trust_request_chat_template=config.trust_request_chat_template,
+            render_timeout=config.chat_template_timeout)
         self.limiter = InFlightLimiter(config.max_queued_requests)
         self._client = client
         self._registry: EngineRegistry | None = None
+        self._prompt_bound: PromptCharBound | None = None
+        self._redis: redis.Redis | None = None
         self._lock = threading.Lock()
 
     @property
     def client(self) -> BrokerClient:
         with self._lock:
             if self._client is None:
-                self._client = BrokerClient(self.config.redis_url, self.keys)
+                self._client = BrokerClient(self.config.redis_url, self.keys,
+                                            max_stream_len=self.config.max_engine_backlog)
             return self._client
 
     @property
     def registry(self) -> EngineRegistry:
         with self._lock:
             if self._registry is None:
-                redis_client = connect(self.config.redis_url, retries=1, client_name="redserve-api-registry")
-                self._registry = EngineRegistry(redis_client, self.keys)
+                self._redis = connect(self.config.redis_url, retries=1, client_name="redserve-api-registry")
+                self._registry = EngineRegistry(self._redis, self.keys)
             return self._registry
 
     def start(self) -> None:
@@ -93,6 +110,22 @@ class ApiState:
     def ready_engines(self) -> list[dict[str, Any]]:
         return self.client.ready_engines()
 
+    @property
+    def prompt_bound(self) -> PromptCharBound:
+        """The character bound of over-long prompts, computed from the vocabulary on first use."""
+        with self._lock:
+            if self._prompt_bound is None:
+                self._prompt_bound = PromptCharBound(self.tokenizer.tokenizer)
+            return self._prompt_bound
+
+    def check_engine_backlog(self) -> None:
+        """ApiError 429 if every READY engine has `max_engine_waiting` requests waiting (none READY: no-op)."""
+        waiting = [e.get("waiting") for e in self.ready_engines()]
+        counts = [w for w in waiting if isinstance(w, int)]
+        if counts and len(counts) == len(waiting) and min(counts) >= self.config.max_engine_waiting:
+            raise too_busy(f"the engines are busy ({min(counts)} requests waiting on the least busy one, limit "
+                           f"{self.config.max_engine_waiting})")
+
     def max_model_len(self) -> int:
         lengths = [int(e["max_model_len"]) for e in self.ready_engines() if isinstance(e.get("max_model_len"), int)]
         if not lengths:
@@ -102,6 +135,18 @@ class ApiState:
     def live_engines(self) -> list[dict[str, Any]]:
         """READY or DRAINING engines with a live heartbeat, read from Redis now (for /metrics)."""
         return self.registry.live_engines((EngineState.READY, EngineState.DRAINING))
+
+    def child_restarts(self) -> dict[str, int]:
+        """Restarts of each child of `redserve serve`, from Redis now (for /metrics); {} without a stack."""
+        _ = self.registry  # connects on first use
+        try:
+            raw = self._redis.hgetall(self.keys.stack_restarts())
+        except redis.ResponseError as e:  # WRONGTYPE: a stray write; restarts are only a statistic
+            warn_bad(f"restarts-type:{self.keys.stack_restarts()}", "%s is unreadable (%s); skipped",
+                     self.keys.stack_restarts(), e)
+            return {}
+        fields = decode_fields(raw, self.keys.stack_restarts())
+        return {name: count for name, count in fields.items() if type(count) is int and count >= 0}
 
 
 def disconnect_probe(sock: socket.socket | None) -> Callable[[], bool]:

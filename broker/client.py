@@ -19,10 +19,18 @@ Rules:
   * `EngineOutputs.seq` from an engine skips a number -> output_lost, for that engine's requests;
   * its engine's heartbeat expires or the engine restarts (new incarnation) -> the request is
     re-placed on another engine if it has produced no output yet (at most `resubmit_limit` times),
-    else engine_gone. Liveness is checked every `liveness_interval` seconds.
+    else engine_gone. With no engine READY (DP=1 and its engine restarting) such a request waits up
+    to `replace_wait` seconds for one (the restarted engine counts), then ends with no_engine.
+    Liveness is checked every `liveness_interval` seconds.
 - `submit` raises `NoEngineAvailable` (no READY live engine), `BrokerUnavailable` (Redis
-  unreachable or not subscribed within `subscribe_timeout`), ValueError (duplicate request id,
-  foreign client id) or `MessageError` (params not msgpack-able).
+  unreachable or not subscribed within `subscribe_timeout`), `EngineOverloaded` (the engine's
+  request stream holds `max_stream_len` messages), ValueError (duplicate request id, foreign client
+  id) or `MessageError` (params not msgpack-able).
+- Request streams are never trimmed: a trimmed ADD would be lost unread and its client would wait
+  for nothing. Engines XACK+XDEL what they finished, so a stream's length is its unread plus
+  in-flight messages; an ADD goes in only while that length is under `max_stream_len`, checked and
+  added atomically (one Lua script: XLEN, then XADD). ABORTs, utility calls and re-placed ADDs
+  (admitted once already) are never refused.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from broker.client_listener import OutputListener
 from broker.client_liveness import Maintenance
 from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
-from broker.errors import BrokerUnavailable, NoEngineAvailable, UtilityError
+from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable, UtilityError
 from broker.keys import EngineState, RedisKeys, check_id
 from broker.load_balance import EngineSelector, read_lb_snapshot
 from broker.messages import (
@@ -61,6 +69,12 @@ from broker.registry import EngineRegistry
 from broker.request_handle import Mailbox, RequestHandle
 
 logger = logging.getLogger(__name__)
+
+# KEYS[1] the request stream; ARGV: the cap, the field, the payload. Nil when the stream is full.
+_BOUNDED_XADD = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+"""
 
 
 def default_client_id() -> str:
@@ -84,7 +98,8 @@ class BrokerClient:
         snapshot_max_age: float = 5.0,
         subscribe_timeout: float = 5.0,
         resubmit_limit: int = 1,
-        stream_maxlen: int = 100_000,
+        replace_wait: float = 30.0,
+        max_stream_len: int = 10_000,
     ) -> None:
         self.redis_url = redis_url
         self.keys = keys or RedisKeys()
@@ -95,7 +110,9 @@ class BrokerClient:
         self._snapshot_max_age = snapshot_max_age
         self._subscribe_timeout = subscribe_timeout
         self._resubmit_limit = resubmit_limit
-        self._stream_maxlen = stream_maxlen
+        self._replace_wait = replace_wait
+        self._max_stream_len = max_stream_len
+        self._bounded_xadd = None
 
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -129,6 +146,7 @@ class BrokerClient:
             self._stopping.clear()
             self._redis = connect(self.redis_url, client_name=f"redserve-client-{self.client_id}")
             self._registry = EngineRegistry(self._redis, self.keys)
+            self._bounded_xadd = self._redis.register_script(_BOUNDED_XADD)
             self.selector = EngineSelector(self._fetch_engines, self._engine_refresh, self._snapshot_max_age)
             self._threads = [
                 threading.Thread(target=self._listener.run, name=f"broker-listener-{self.client_id}", daemon=True),
@@ -187,11 +205,15 @@ class BrokerClient:
         mb = Mailbox(add=add, engine_id=info["engine_id"], incarnation=info.get("incarnation"), n=n)
         self._register(mb)
         try:
-            self._xadd(mb.engine_id, payload)
+            added = self._bounded_xadd(keys=[self.keys.request_stream(mb.engine_id)],
+                                       args=[self._max_stream_len, STREAM_FIELD, payload])
         except redis.RedisError as e:
-            with self._lock:
-                self._finish_locked(mb)
+            self._drop(mb)
             raise BrokerUnavailable(f"could not send request {add.request_id} to Redis: {e}") from e
+        if added is None:
+            self._drop(mb)
+            raise EngineOverloaded(f"engine {mb.engine_id} already holds {self._max_stream_len} requests "
+                                   "unread or in flight; retry later")
         return RequestHandle(self, mb)
 
     def abort(self, request_ids: Iterable[str], engine_id: str) -> None:
@@ -294,13 +316,14 @@ class BrokerClient:
                     self.selector.on_submit(mb.engine_id)
                     return
 
+    def _drop(self, mb: Mailbox) -> None:
+        """Forget a mailbox whose ADD never reached the stream."""
+        with self._lock:
+            self._finish_locked(mb)
+
     def _xadd(self, engine_id: str, payload: bytes) -> None:
-        self._redis.xadd(
-            self.keys.request_stream(engine_id),
-            {STREAM_FIELD: payload},
-            maxlen=self._stream_maxlen,
-            approximate=True,
-        )
+        """XADD without a cap (ABORT, utility call, re-placed ADD): never trimmed, never refused."""
+        self._redis.xadd(self.keys.request_stream(engine_id), {STREAM_FIELD: payload})
 
     def _note_incarnation(self, engine_id: str, incarnation: str | None) -> None:
         """A new incarnation restarts that engine's seq numbering (its old requests are failed by liveness)."""

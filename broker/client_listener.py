@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from broker.connection import connect
+from broker.log_limits import warn_every
 from broker.messages import EngineOutputs, ErrorCode, MessageError, RequestOutput, decode
 from broker.request_handle import Mailbox
 
@@ -93,7 +94,8 @@ class OutputListener:
         try:
             outs = decode(data, expect=EngineOutputs)
         except MessageError as e:
-            logger.warning("client %s: dropping bad message on its output channel: %s", c.client_id, e)
+            warn_every(logger, "bad-output-message", 10.0, "client %s: dropping bad message on its output channel: %s",
+                       c.client_id, e)
             return
         engine_id = outs.engine_id
         with c._lock:

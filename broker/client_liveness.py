@@ -3,7 +3,8 @@
 Every `_TICK` seconds it fails requests past their deadline (deadline_exceeded); while the output
 subscription is up it also refreshes the client heartbeat key (every `heartbeat_ttl / 3` s), checks
 engine liveness (every `liveness_interval` s: requests of a gone or restarted engine are re-placed
-if they have produced no output yet, else failed with engine_gone) and sends deferred ABORTs to
+if they have produced no output yet, else failed with engine_gone; with no engine READY to take them,
+they wait up to `replace_wait` s for one, e.g. the same engine restarted) and sends deferred ABORTs to
 engines that are live again.
 
 `Maintenance` holds no state of its own besides the client: it reads and changes the client's
@@ -21,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from broker.control_state import warn_bad
 from broker.errors import NoEngineAvailable
+from broker.log_limits import warn_every
 from broker.messages import ErrorCode, encode
 from broker.request_handle import Mailbox
 
@@ -56,8 +59,9 @@ class Maintenance:
                     self.check_engines()
                     next_liveness = time.monotonic() + c._liveness_interval
                 self.flush_aborts()
-            except Exception:  # noqa: BLE001 - deadlines must keep being enforced
-                logger.exception("client %s: maintenance step failed", c.client_id)
+            except Exception as e:  # noqa: BLE001 - deadlines must keep being enforced
+                warn_every(logger, f"maintenance:{type(e).__name__}", 60.0, "client %s: maintenance step failed",
+                           c.client_id, exc_info=e)
 
     def _heartbeat(self) -> None:
         c = self._client
@@ -65,9 +69,13 @@ class Maintenance:
             p = c._redis.pipeline(transaction=False)
             p.set(c.keys.client_alive(c.client_id), f"{socket.gethostname()} {os.getpid()}", px=int(c._heartbeat_ttl * 1000))
             p.sadd(c.keys.clients(), c.client_id)
-            p.execute()
+            replies = p.execute(raise_on_error=False)
         except redis.RedisError as e:
             logger.warning("client %s: heartbeat failed: %s", c.client_id, e)
+            return
+        for reply in replies:
+            if isinstance(reply, redis.RedisError):  # e.g. WRONGTYPE: rs:clients is not a set
+                warn_bad(f"{c.keys.clients()}:heartbeat", "client %s: heartbeat write failed: %s", c.client_id, reply)
 
     def _expire_deadlines(self) -> None:
         c = self._client
@@ -105,11 +113,12 @@ class Maintenance:
     def _replace(self, mb: Mailbox) -> None:
         c = self._client
         old = mb.engine_id
+        # The old engine is a fine target again once it is back as a new incarnation (a restart: DP=1).
+        cached = c.selector.live_engines(max_age=float("inf")).get(old, {})
         try:
-            info = c.selector.select(exclude=[old])
+            info = c.selector.select(exclude=[old] if cached.get("incarnation") == mb.incarnation else [])
         except NoEngineAvailable:
-            with c._lock:
-                c._fail_locked(mb, ErrorCode.NO_ENGINE, f"engine {old} is gone and no other engine is ready", abort=False)
+            self._wait_for_engine(mb)
             return
         c._note_incarnation(info["engine_id"], info.get("incarnation"))
         with c._lock:
@@ -126,8 +135,24 @@ class Maintenance:
             with c._lock:
                 c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, f"could not re-place the request: {e}", abort=False)
             return
-        if old in c.selector.live_engines(max_age=float("inf")):
+        if old != mb.engine_id and old in c.selector.live_engines(max_age=float("inf")):
             c._send_aborts(old, [mb.request_id])  # it restarted or came back: do not run it twice
+
+    def _wait_for_engine(self, mb: Mailbox) -> None:
+        """No engine is READY to take `mb` over (e.g. the only one is restarting): it stays parked and
+        is tried again at every liveness check, until `replace_wait` s have passed (then no_engine)."""
+        c = self._client
+        now = time.monotonic()
+        with c._lock:
+            if mb.done:
+                return
+            if mb.orphaned_at is None:
+                mb.orphaned_at = now
+                logger.info("client %s: engine %s is gone and no engine is ready; request %s waits up to %.0f s "
+                            "for one", c.client_id, mb.engine_id, mb.request_id, c._replace_wait)
+            elif now - mb.orphaned_at >= c._replace_wait:
+                c._fail_locked(mb, ErrorCode.NO_ENGINE, f"engine {mb.engine_id} is gone and no engine became "
+                               f"ready within {c._replace_wait:.0f} s", abort=False)
 
     def flush_aborts(self) -> None:
         """Send the deferred ABORTs to their engines that are live; those for gone engines are dropped.

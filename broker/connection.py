@@ -11,12 +11,15 @@ Rules:
   reply arrived. Receivers tolerate that: engines ignore a duplicate request id, clients drop
   EngineOutputs whose `seq` they have already seen.
 - `socket_timeout` must exceed the longest blocking command (XREADGROUP BLOCK) a caller issues.
+- URLs reach logs and error messages only through `mask_url`. `wait_for_redis` fails at once on an
+  authentication error; TLS settings come from the URL (``rediss://...?ssl_ca_certs=PATH&ssl_cert_reqs=required``).
 - One `redis.Redis` per process is enough and is thread-safe (it holds a connection pool);
   redis-py resets the pool in a forked child, but create clients after fork anyway.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import time
@@ -27,6 +30,8 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from broker.errors import BrokerUnavailable
+
+logger = logging.getLogger(__name__)
 
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
 
@@ -46,6 +51,7 @@ def connect(
     `retries=0` gives a client that raises on the first connection error (used for the pub/sub
     listener, which must notice every disconnect to know that messages may have been lost).
     """
+    logger.debug("Redis client for %s (client name %s)", mask_url(url), client_name)
     retry = Retry(ExponentialBackoff(cap=backoff_cap, base=0.05), retries, supported_errors=_RETRYABLE)
     tcp_only = {} if url.startswith("unix:") else {"socket_keepalive": True}
     return redis.Redis.from_url(
@@ -72,10 +78,12 @@ def wait_for_redis(url: str, timeout: float = 10.0) -> None:
             try:
                 if client.ping():
                     return
+            except redis.AuthenticationError as e:  # a wrong password does not get better by waiting
+                raise BrokerUnavailable(f"Redis at {mask_url(url)} refused the credentials: {e}") from e
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
                 last_error = e
             if time.monotonic() >= deadline:
-                raise BrokerUnavailable(f"Redis at {url} did not answer within {timeout}s: {last_error}")
+                raise BrokerUnavailable(f"Redis at {mask_url(url)} did not answer within {timeout}s: {last_error}")
             time.sleep(0.05)
     finally:
         client.close()

@@ -8,6 +8,8 @@ the whole family to HTTP responses in one place:
 - `NoEngineAvailable`: no engine is READY with a live heartbeat. API: 503 with Retry-After.
 - `BrokerUnavailable`: Redis cannot be reached (after the connection's own retries) or the client's
   output subscription is not up. API: 503 with Retry-After.
+- `EngineOverloaded`: the chosen engine's request stream already holds its cap of unread and
+  in-flight messages; the request was not sent. API: 503 with Retry-After.
 - `UtilityError`: an engine ran a utility call and reported an error.
 """
 
@@ -32,3 +34,7 @@ class BrokerUnavailable(BrokerError, ConnectionError):
 
 class UtilityError(BrokerError):
     """An engine reported an error while running a utility call."""
+
+
+class EngineOverloaded(BrokerError):
+    """The engine's request stream is full (unread + in-flight messages at the cap); nothing was sent."""

@@ -27,6 +27,8 @@ deployments share one Redis. Layout, for prefix "rs" (all inspectable with plain
     rs:batch:{id}:claims       hash     item index -> client id of the worker generating it now
     rs:batches                 set      ids of batches in progress
     rs:batches:sweeper         string   SET NX PX lock: the batch sweeper that ran last (rate limit)
+    rs:stack:restarts          hash     `redserve serve`: child name (engine-0, api, ...) -> restarts
+                                        since the stack started
     rs:celery:*                -        Celery's broker queues and result backend (kombu's
                                         global_keyprefix; queue `batch`)
 
@@ -126,6 +128,9 @@ class RedisKeys:
 
     def batch_sweeper_lock(self) -> str:
         return f"{self.prefix}:batches:sweeper"
+
+    def stack_restarts(self) -> str:
+        return f"{self.prefix}:stack:restarts"
 
     def celery(self) -> str:
         """The global key prefix of Celery's broker and result-backend keys (ends with ':')."""

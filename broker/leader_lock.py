@@ -9,6 +9,9 @@ Rules (the `SET NX` lock of rq's cleanup pass, made safe against a stale holder)
   the token, and renews the TTL in the same transaction: the writes of a holder that has lost
   the lock are never applied. It returns False, having written nothing, if the lock is not ours.
 - `release()` deletes the key only if it holds our token (a Lua compare-and-delete).
+- A key that no holder can have written (another type than a string, or a string without a TTL, e.g. a
+  stray `redis-cli SET`) would keep every candidate out for ever: `acquire()` deletes it (Lua, checked
+  atomically), logs that once per interval, and takes the lock.
 - `held` is True only within `ttl` of the last successful acquire/renew (measured from before
   the command was sent): a holder cut off from Redis stops acting before anyone can take over.
   Renew at least every ttl/3.
@@ -16,15 +19,30 @@ Rules (the `SET NX` lock of rq's cleanup pass, made safe against a stale holder)
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import redis
 from redis.client import Pipeline
 
+from broker.log_limits import BAD_ENTRY_INTERVAL, warn_every
+
+logger = logging.getLogger(__name__)
+
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_CLEAR_INVALID = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if kind ~= 'string' or redis.call('PTTL', KEYS[1]) == -1 then
+  redis.call('DEL', KEYS[1])
+  return 1
 end
 return 0
 """
@@ -52,6 +70,7 @@ class LeaderLock:
         self._held_until = 0.0
         self._renew = redis_client.register_script(_RENEW)
         self._release = redis_client.register_script(_RELEASE)
+        self._clear_invalid = redis_client.register_script(_CLEAR_INVALID)
 
     @property
     def ttl_ms(self) -> int:
@@ -71,6 +90,10 @@ class LeaderLock:
         if self._redis.set(self.key, self.token, nx=True, px=self.ttl_ms):
             self._held_until = sent + self.ttl
             return True
+        if self._clear_invalid(keys=[self.key]):
+            warn_every(logger, f"invalid-lock:{self.key}", BAD_ENTRY_INTERVAL,
+                       "lock %s held a value no holder writes (wrong type or no TTL); removed it", self.key)
+            return self.acquire()
         return self.renew()
 
     def renew(self) -> bool:

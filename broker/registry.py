@@ -13,6 +13,10 @@ Rules:
   from what this registry object last wrote; stats come back with the next `update_stats`.
 - Hash values are plain strings so they read well in `redis-cli`; reading them back turns
   numeric-looking values into int/float, except the fields in `STR_FIELDS`.
+- Reads validate what they find (`broker.control_state`): a malformed member of `rs:engines`, an
+  engine hash of the wrong type or without a valid state/incarnation, is skipped with a rate-limited
+  warning; a field that is not UTF-8 or not the number it must be is dropped. Reads raise only for
+  Redis outages.
 - Methods that write take an optional pipeline (`pipe`); without one they run immediately.
 """
 
@@ -31,11 +35,12 @@ from typing import Any
 import redis
 from redis.client import Pipeline
 
+from broker.control_state import STR_FIELDS, decode_fields, parse_engine, read_members
 from broker.keys import EngineState, RedisKeys
 
 logger = logging.getLogger(__name__)
 
-STR_FIELDS = frozenset({"engine_id", "host", "model", "state", "incarnation"})
+__all__ = ["STR_FIELDS", "DeclaredDead", "EngineHeartbeat", "EngineRegistry", "decode_fields", "encode_fields"]
 
 
 def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
@@ -51,23 +56,6 @@ def encode_fields(values: Mapping[str, Any]) -> dict[str, str]:
         else:
             out[k] = str(v)
     return out
-
-
-def _parse(name: str, raw: bytes) -> Any:
-    text = raw.decode("utf-8", "replace")
-    if name in STR_FIELDS:
-        return text
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def decode_fields(raw: Mapping[bytes, bytes]) -> dict[str, Any]:
-    """Inverse of `encode_fields` for a HGETALL reply (JSON values stay strings)."""
-    return {k.decode("utf-8", "replace"): _parse(k.decode("utf-8", "replace"), v) for k, v in raw.items()}
 
 
 class DeclaredDead(Exception):
@@ -182,8 +170,7 @@ class EngineRegistry:
 
     def all_engines(self) -> list[dict[str, Any]]:
         """Every registered engine (any state, alive or not), each with `alive` added, sorted by id."""
-        ids = sorted(m.decode() for m in self._redis.smembers(self.keys.engines()))
-        return self._read(ids)
+        return self._read(read_members(self._redis, self.keys.engines(), "engine"))
 
     def live_engines(self, states: Iterable[EngineState] = (EngineState.READY, EngineState.DRAINING)) -> list[dict[str, Any]]:
         """Engines in one of `states` whose heartbeat is live (matches their incarnation)."""
@@ -209,15 +196,12 @@ class EngineRegistry:
         for engine_id in ids:
             p.hgetall(self.keys.engine(engine_id))
             p.get(self.keys.engine_alive(engine_id))
-        replies = p.execute()
+        replies = p.execute(raise_on_error=False)
         engines = []
         for engine_id, raw, alive in zip(ids, replies[0::2], replies[1::2], strict=True):
-            if not raw:
-                continue
-            info = decode_fields(raw)
-            info["engine_id"] = engine_id
-            info["alive"] = alive is not None and alive.decode() == info.get("incarnation")
-            engines.append(info)
+            info = parse_engine(engine_id, raw, alive, self.keys.engine(engine_id))
+            if info is not None:
+                engines.append(info)
         return engines
 
 

@@ -33,6 +33,7 @@ class Mailbox:
     got_output: bool = False
     done: bool = False
     resubmits: int = 0
+    orphaned_at: float | None = None  # monotonic time its engine was found gone with no engine to take it
 
     @property
     def request_id(self) -> str:

@@ -1,7 +1,16 @@
 """Sampling parameters of one request, shared by the API (validation) and the engine (sampling).
 
 Pure Python with no torch so API processes and Celery workers can validate requests cheaply.
-Invalid values raise ``ValueError`` with a message fit to show a user (the API turns it into a 400).
+Invalid values raise ``ValueError`` with a message fit to show a user, starting with the field's
+name (the API turns it into a 400 naming that field).
+
+Rules:
+- Bounded cost: at most `MAX_STOP_STRINGS` stop strings of `MAX_STOP_BYTES` UTF-8 bytes in all, at
+  most `MAX_STOP_TOKEN_IDS` stop token ids, n <= `MAX_N`.
+- The wire (`AddRequest.params`) carries `to_engine_dict()`: the fields the engine uses. The
+  `API_ONLY_FIELDS` (stop strings, include_stop_str_in_output, skip_special_tokens) are applied
+  where text exists (the API process) and never travel; `from_dict` fills every missing field with
+  its default, so engines read old and new messages alike.
 """
 
 from __future__ import annotations
@@ -12,6 +21,11 @@ from typing import Any
 
 _GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 4096
+MAX_STOP_TOKEN_IDS = 1024
+API_ONLY_FIELDS = frozenset({"stop", "include_stop_str_in_output", "skip_special_tokens"})
 
 
 @dataclass
@@ -51,7 +65,7 @@ class SamplingParams:
         self._check()
 
     def _check(self) -> None:
-        _require(isinstance(self.n, int) and 1 <= self.n <= 128, f"n must be an integer in [1, 128], got {self.n}")
+        _require(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n}")
         _require(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _require(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k}")
@@ -71,7 +85,11 @@ class SamplingParams:
                  f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         _require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        _require(len(self.stop) <= 16, "at most 16 stop strings are allowed")
+        _require(len(self.stop) <= MAX_STOP_STRINGS, f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed")
+        _require(sum(len(s.encode("utf-8", "surrogatepass")) for s in self.stop) <= MAX_STOP_BYTES,
+                 f"stop: the stop strings may hold at most {MAX_STOP_BYTES} bytes (UTF-8) in all")
+        _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                 f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers")
 
@@ -86,6 +104,10 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for the wire (msgpack); ``from_dict`` rebuilds and re-validates it."""
         return dataclasses.asdict(self)
+
+    def to_engine_dict(self) -> dict[str, Any]:
+        """`to_dict()` without the `API_ONLY_FIELDS`: what `AddRequest.params` carries to an engine."""
+        return {name: value for name, value in self.to_dict().items() if name not in API_ONLY_FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -17,7 +17,13 @@ Rules:
   Its requests are NOT re-sent from here: clients re-place those that had not started (they know
   which) and fail the others with engine_gone; re-sending here as well would run them twice.
 - Client ids whose heartbeat has expired are removed from `rs:clients` every `client_sweep_interval`.
-- Redis errors are logged and retried at the next tick; they never stop the coordinator.
+- Redis errors are logged and retried at the next tick; they never stop the coordinator. Nor does
+  anything else: an unexpected error in one step is logged (rate-limited, with its traceback) and the
+  next step runs; only `stop` ends `run`.
+- What it reads is validated (`broker.control_state`): bad members of `rs:engines` / `rs:clients` and
+  bad engine hashes are skipped. A `rs:wave` that is not a wave number (or not a string) is logged and
+  overwritten with the coordinator's own count at the next write; `rs:coordinator` is replaced as a
+  whole (DEL + HSET), so a key of the wrong type there or in `rs:lb` is repaired by the next write.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from dataclasses import dataclass
 import redis
 from redis.client import Pipeline
 
+from broker.control_state import is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.keys import RedisKeys
 from broker.leader_lock import LeaderLock
 from broker.load_balance import EngineLoad, write_lb_snapshot
+from broker.log_limits import warn_every
 from broker.registry import EngineRegistry, encode_fields
 from engine.coordinator_rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
 
@@ -112,6 +120,7 @@ class Coordinator:
         self._loads: dict[str, EngineLoad] = {}
         self._last_write = self._last_move = self._next_client_sweep = float("-inf")
         self._failing = False
+        self._wave_bad = False
 
     @property
     def active(self) -> bool:
@@ -139,6 +148,10 @@ class Coordinator:
             (logger.debug if self._failing else logger.warning)("coordinator %s: Redis error: %s", self.id, e)
             self._failing = True
             return self.config.standby_poll
+        except Exception as e:  # noqa: BLE001 - one bad step must not stop the coordinator
+            warn_every(logger, f"step:{type(e).__name__}", 60.0, "coordinator %s: step failed (%s: %s); "
+                       "retrying", self.id, type(e).__name__, e, exc_info=e)
+            return self.config.standby_poll
         self._failing = False
         return wait
 
@@ -156,8 +169,7 @@ class Coordinator:
 
     def _take_over(self) -> None:
         self.active_since = time.time()
-        stored = self.redis.get(self.keys.wave())
-        self.waves = WaveTracker(int(stored or 0))
+        self.waves = WaveTracker(self._read_wave() or 0)
         self.deaths = DeathWatch(self.config.death_confirm)
         self._loads, self._last_write = {}, float("-inf")
         logger.info("coordinator %s is active (wave %d, lockstep %s)", self.id, self.waves.wave,
@@ -170,16 +182,16 @@ class Coordinator:
     def _tick(self) -> float:
         now = self._clock()
         reports = [EngineReport.from_registry(info) for info in self.registry.all_engines()]
-        stored = self.redis.get(self.keys.wave())
+        stored = self._read_wave()
         gone = {r.engine_id for r in self.deaths.check(reports, now) if self._declare_dead(r)}
         live = [r for r in reports if r.live and r.engine_id not in gone]
-        self.waves.sync(int(stored or 0), live)
+        self.waves.sync(stored, live)
         advance = self.waves.due(live)
         loads = build_snapshot(live, time.time())
         moved = not same_loads(loads, self._loads)
         if moved:
             self._last_move = now
-        if advance or moved or now - self._last_write >= self.config.refresh_interval:
+        if advance or moved or self._wave_bad or now - self._last_write >= self.config.refresh_interval:
             if not self._write(loads, advance):
                 self._step_down("lost its lock")
                 return self.config.standby_poll
@@ -200,12 +212,17 @@ class Coordinator:
 
         def write(p: Pipeline) -> None:
             write_lb_snapshot(self.redis, self.keys, loads, pipe=p)
-            p.set(self.keys.wave(), wave, nx=not advance)  # starts at 0, so GET rs:wave always answers
+            # starts at 0, so GET rs:wave always answers; garbage there is replaced
+            p.set(self.keys.wave(), wave, nx=not (advance or self._wave_bad))
+            p.delete(self.keys.coordinator())
             p.hset(self.keys.coordinator(), mapping=encode_fields(info))
 
         if not self.lock.transaction(write):
             return False
         self._loads, self._last_write = loads, self._clock()
+        if self._wave_bad:
+            logger.info("coordinator %s: rewrote %s as %d", self.id, self.keys.wave(), wave)
+            self._wave_bad = False
         if advance:
             self.waves.advanced()
             logger.info("wave %d complete: every engine is idle; %s = %d", wave - 1, self.keys.wave(), wave)
@@ -214,10 +231,15 @@ class Coordinator:
     def _declare_dead(self, r: EngineReport) -> bool:
         """Run the mark-dead script; True if the engine is now marked dead."""
         k = self.keys
-        result = self._mark_dead(
-            keys=[k.coordinator_lock(), k.engine(r.engine_id), k.engine_alive(r.engine_id), k.engines(),
-                  k.request_stream(r.engine_id)],
-            args=[self.id, r.engine_id, r.incarnation, round(time.time(), 3), self.config.dead_record_ttl])
+        try:
+            result = self._mark_dead(
+                keys=[k.coordinator_lock(), k.engine(r.engine_id), k.engine_alive(r.engine_id), k.engines(),
+                      k.request_stream(r.engine_id)],
+                args=[self.id, r.engine_id, r.incarnation, round(time.time(), 3), self.config.dead_record_ttl])
+        except redis.ResponseError as e:  # a key of the wrong type: skip this engine, keep ticking
+            warn_bad(f"{k.engine(r.engine_id)}:mark-dead", "coordinator %s: cannot mark engine %s dead: %s",
+                     self.id, r.engine_id, e)
+            return False
         if result == -1:
             self.lock.renew()  # records that the lock is gone; the next step stands down
             return False
@@ -229,8 +251,26 @@ class Coordinator:
                        r.engine_id, r.host or "?", r.pid or "?", result)
         return True
 
+    def _read_wave(self) -> int | None:
+        """`rs:wave` as a wave number; None if absent or not one (then `_wave_bad`: the next write fixes it)."""
+        try:
+            raw = self.redis.get(self.keys.wave())
+        except redis.ResponseError as e:
+            if not is_wrong_type(e):
+                raise
+            return self._bad_wave(str(e))
+        wave = None if raw is None else parse_int(utf8(raw) or "")
+        if raw is not None and wave is None:
+            return self._bad_wave(f"{raw[:64]!r} is not a wave number")
+        self._wave_bad = False
+        return wave
+
+    def _bad_wave(self, problem: str) -> None:
+        self._wave_bad = True
+        warn_bad(f"{self.keys.wave()}:bad", "coordinator %s: ignoring %s: %s", self.id, self.keys.wave(), problem)
+
     def _sweep_clients(self) -> None:
-        ids = sorted(m.decode() for m in self.redis.smembers(self.keys.clients()))
+        ids = read_members(self.redis, self.keys.clients(), "client")
         if not ids:
             return
         p = self.redis.pipeline(transaction=False)
@@ -259,7 +299,23 @@ def run_from_args(args) -> int:
     coordinator = Coordinator(connect(args.redis_url, client_name="redserve-coordinator"),
                               RedisKeys(args.key_prefix), config, coordinator_id=args.coordinator_id)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _stop_on_signals(stop)
     coordinator.run(stop)
     return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM/SIGINT set `stop` from a thread of their own (sigwait), never from a signal handler.
+
+    A handler that calls `stop.set()` runs in the main thread between two bytecodes, possibly while
+    that thread holds the Event's internal lock inside `stop.wait()`: `set()` then waits forever for
+    a lock its own thread holds. The coordinator never resigns and lingers until it is SIGKILLed.
+    """
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # before any other thread starts: all inherit it
+
+    def wait() -> None:
+        signal.sigwait(signals)
+        stop.set()
+
+    threading.Thread(target=wait, name="coordinator-signals", daemon=True).start()

@@ -3,6 +3,7 @@
 Rules:
 - `EngineReport` is one engine as read from its hash and heartbeat. It is *live* when its
   heartbeat matches its incarnation and its state is not dead; only live engines count anywhere.
+  A counter that is not a finite number >= 0 (garbage in the hash) reads as its default.
 - Load snapshot (`build_snapshot`): one `EngineLoad` per live READY or DRAINING engine (a
   STARTING engine takes no traffic yet). `ts` is when the engine wrote those counters
   (`stats_at`), so a hung engine's entry goes stale and clients stop trusting it; `step` is its
@@ -19,10 +20,12 @@ Rules:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from broker.control_state import MAX_INT
 from broker.keys import EngineState
 from broker.load_balance import EngineLoad
 
@@ -60,10 +63,10 @@ class EngineReport:
         """Build from `EngineRegistry.get`/`all_engines` output (decoded hash + `alive`)."""
 
         def num(name: str, kind: type, default: Any = 0) -> Any:
-            try:
-                return kind(info.get(name, default))
-            except (TypeError, ValueError):
+            value = info.get(name, default)
+            if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value < MAX_INT:
                 return default
+            return kind(value)
 
         return cls(
             engine_id=str(info["engine_id"]), state=str(info.get("state", "")),

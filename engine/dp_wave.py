@@ -21,6 +21,8 @@ Rules:
   through the executor: no KV cache is touched; with TP > 1 it is one broadcast to the workers.
   redserve's dense models have no such collectives, so lockstep only costs a little CPU here.
 - Redis errors never escape: waves are bookkeeping, serving goes on without them (logged once).
+  Nor does garbage: a `rs:wave` that is not a wave number (an int in [0, 2**63)) or not a string reads
+  as "no news" and a bad member of `rs:engines` gets no StartWave (both logged, rate-limited).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from broker.control_state import is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.engine_link import STREAM_FIELD
 from broker.keys import RedisKeys
 from broker.messages import StartWave, encode
@@ -130,7 +133,7 @@ class DpWaves:
     def notify_others(self, msg: StartWave) -> int:
         """XADD `msg` to every other registered engine's stream; return how many got it."""
         try:
-            others = sorted(m.decode() for m in self._redis.smembers(self.keys.engines()) if m.decode() != self.engine_id)
+            others = [e for e in read_members(self._redis, self.keys.engines(), "engine") if e != self.engine_id]
             if not others:
                 return 0
             p = self._redis.pipeline(transaction=False)
@@ -151,15 +154,21 @@ class DpWaves:
             p = self._redis.pipeline(transaction=False)
             p.get(self.keys.wave())
             p.hget(self.keys.coordinator(), "lockstep")
-            raw_wave, raw_lockstep = p.execute()
+            raw_wave, raw_lockstep = p.execute(raise_on_error=False)
+            for reply in (raw_wave, raw_lockstep):
+                if isinstance(reply, redis.RedisError) and not is_wrong_type(reply):
+                    raise reply
         except redis.RedisError as e:
             (logger.debug if self._failing else logger.warning)("engine %s: cannot read the DP wave: %s", self.engine_id, e)
             self._failing = True
             return None
         self._failing = False
         self.lockstep = self.lockstep_forced or raw_lockstep == b"1"
-        try:
-            return int(raw_wave or 0)
-        except ValueError:
-            logger.warning("engine %s: %s holds %r, not a wave number", self.engine_id, self.keys.wave(), raw_wave)
-            return None
+        if raw_wave is None:
+            return 0
+        wave = None if isinstance(raw_wave, Exception) else parse_int(utf8(raw_wave) or "")
+        if wave is None:
+            shown = raw_wave if isinstance(raw_wave, Exception) else raw_wave[:64]
+            warn_bad(f"{self.keys.wave()}:engine", "engine %s: ignoring %s: %r is not a wave number",
+                     self.engine_id, self.keys.wave(), shown)
+        return wave

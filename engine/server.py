@@ -100,7 +100,9 @@ class EngineServer:
         self.registry = EngineRegistry(self.redis, self.keys)
         self.reader = RequestReader(connect(redis_url), self.keys, self.engine_id, consumer=f"engine-{self.engine_id}")
         self.publisher = OutputPublisher(connect(redis_url), self.keys, self.engine_id)
-        self.input_queue: queue.Queue = queue.Queue()
+        # SimpleQueue: its put() is reentrant, so the SIGTERM handler (`request_drain`) may call it while the
+        # busy loop is inside get(); a queue.Queue there can deadlock on its own mutex (the drain never starts).
+        self.input_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.output_queue: queue.Queue = queue.Queue()
         self.in_flight: dict[str, InFlight] = {}
         self.stop_event = threading.Event()

@@ -83,6 +83,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def cmd_redis_cli(args: argparse.Namespace) -> int:
+    from redserve.redis_cli import run_from_args
+    return run_from_args(args)
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from api.batch.cli import run_batch
     return run_batch(args)
@@ -113,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("REDSERVE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from api.options import env_switch
+
     p = sub.add_parser("serve", help="run a whole single-node stack: Redis (embedded if needed), engines, API")
     _add_engine_config_args(p)
     _add_redis_args(p)
@@ -120,12 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-workers", type=int, default=2)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"))
+    p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every API route but /health (default: $REDSERVE_API_KEY)")
+    p.add_argument("--public-metrics", action="store_true", default=env_switch("REDSERVE_PUBLIC_METRICS"),
+                   help="serve /metrics without the API key (default: $REDSERVE_PUBLIC_METRICS=1)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   default=env_switch("REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE"),
+                   help="render chat templates sent with requests (the caller's Jinja runs in the API); "
+                        "refused with 400 otherwise (default: $REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--max-concurrent-streams", "--max-queued-requests", dest="max_queued_requests", type=int,
+                   default=64, help="generation slots (prompt x n) per API worker before 429 (see redserve api)")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="idle engines run dummy steps while any engine has work (set by the coordinator)")
     p.add_argument("--no-batch-worker", action="store_true", help="do not start a batch (Celery) worker")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a child restarted this many times within --restart-window seconds that dies again "
+                        "stops the stack (crash loop)")
+    p.add_argument("--restart-window", type=float, default=60.0, help="seconds; see --max-restarts")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run one engine (a DP rank); may run headless on another node")
@@ -155,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("redis-cli", help="redis-cli on the stack's Redis, authenticated (password never on argv)")
+    from redserve.redis_cli import add_arguments as add_redis_cli_arguments
+    add_redis_cli_arguments(p)
+    p.set_defaults(func=cmd_redis_cli)
 
     p = sub.add_parser("api", help="run the OpenAI-compatible HTTP API (gunicorn + Flask)")
     from api.options import add_api_arguments

@@ -1,13 +1,25 @@
-"""``redserve serve``: a whole single-node stack from one command.
+"""``redserve serve``: a whole single-node stack from one command, kept running.
 
 Starts an embedded Redis when no ``--redis-url`` is given, then the DP coordinator, the engines (one
 process per DP rank), the API (gunicorn) and a batch worker (Celery; not with ``--no-batch-worker``), each
-as a child process that dies with this launcher (PR_SET_PDEATHSIG). Ctrl-C / SIGTERM stops the API and
-the batch worker first, then drains the engines, then stops the coordinator and Redis; no orphan is left.
-While it runs, `redserve.stack_state` records its Redis URL so ``redserve batch`` commands find it.
-If a child dies on its own, the whole stack stops and the exit code says so.
-DP engines on this one node share its cores: each gets ``OMP_NUM_THREADS`` = cores / DP size (unless
-the variable is set already), so N engines do not run N x cores torch threads on the same cores.
+as a child process supervised by `redserve.supervisor`.
+
+Rules:
+- A child that dies on its own is restarted with backoff (engines rejoin as a new incarnation and get
+  traffic again); only a crash loop (``--max-restarts`` restarts of one child within ``--restart-window``
+  seconds) stops the stack, with exit code 1. Restarts are counted in the Redis hash
+  ``{prefix}:stack:restarts`` (child name -> count; cleared at start), which the API exports in /metrics
+  as ``redserve_child_restarts_total{child}``.
+- Ctrl-C / SIGTERM stops the API and the batch worker first, then the engines (they drain), then the
+  coordinator, then Redis, each child within a deadline (`STOP_TIMEOUTS`; engines: drain timeout + 10 s)
+  after which it is named in the log and SIGKILLed with its process group. A second Ctrl-C / SIGTERM
+  kills everything left at once. No child outlives the launcher (PR_SET_PDEATHSIG).
+- Secrets never go on a child's command line (``ps`` shows it): the Redis URL reaches the children as
+  ``REDSERVE_REDIS_URL`` and the API key as ``REDSERVE_API_KEY`` (the API only), the env defaults of those
+  flags. Redis URLs reach logs and stdout only through `broker.connection.mask_url`.
+- While it runs, `redserve.stack_state` records its Redis URL so ``redserve batch`` commands find it.
+- DP engines on this one node share its cores: each gets ``OMP_NUM_THREADS`` = cores / DP size (unless
+  the variable is set already), so N engines do not run N x cores torch threads on the same cores.
 """
 
 from __future__ import annotations
@@ -16,21 +28,28 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
 
-from broker.redis_server import EmbeddedRedis, pdeathsig_preexec
+import redis
+
+from broker.connection import connect, mask_url
+from broker.keys import RedisKeys
+from broker.redis_server import EmbeddedRedis
 from redserve.cli import resolve_model
 from redserve.proctitle import set_title
 from redserve.stack_state import StackState, remove_stack_state, write_stack_state
+from redserve.supervisor import ChildSpec, CrashLoop, RestartPolicy, Supervisor
 
 logger = logging.getLogger("redserve.stack")
 
 _ENGINE_FLAGS = ["dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "kv_cache_memory", "gpu_memory_utilization", "tensor_parallel_size", "seed"]
 _ENGINE_SWITCHES = ["no_prefix_caching", "no_chunked_prefill"]
+STOP_TIMEOUTS = {"api": 20.0, "batch": 20.0, "coordinator": 5.0}
+ENGINE_DRAIN_TIMEOUT = 30.0  # `redserve engine --drain-timeout` default
+_TICK = 0.1
 
 
 def _flags(args: argparse.Namespace, names: list[str], switches: list[str]) -> list[str]:
@@ -47,12 +66,21 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "redserve.cli", *argv]
 
 
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(max_restarts=args.max_restarts, restart_window=args.restart_window)
+
+
 class Stack:
+    """The processes of one ``redserve serve``; see the module rules."""
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.keys = RedisKeys(args.key_prefix)
         self.redis: EmbeddedRedis | None = None
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.supervisor = Supervisor(restart_policy(args), on_restart=self._count_restart)
         self.stopping = False
+        self.ready = False
+        self._counter: redis.Redis | None = None
 
     def start(self) -> None:
         args = self.args
@@ -60,107 +88,106 @@ class Stack:
         if not args.redis_url:
             self.redis = EmbeddedRedis().start()
             args.redis_url = self.redis.url
-            logger.info("started embedded Redis at %s (redis-cli -p %s)", args.redis_url, self.redis.port)
-        common = ["--redis-url", args.redis_url, "--key-prefix", args.key_prefix, "--log-level", args.log_level]
-        self._spawn("coordinator", _cli("--log-level", args.log_level, "coordinator", *common[:4],
-                                        *(["--dp-lockstep"] if args.dp_lockstep else [])))
+            logger.info("started embedded Redis at %s (inspect it with `redserve redis-cli`)", mask_url(args.redis_url))
+        self._counter = connect(args.redis_url, retries=1, socket_timeout=2.0, client_name="redserve-serve")
+        self._reset_restart_counts()
+        log = ["--log-level", args.log_level]
+        prefix = ["--key-prefix", args.key_prefix]
+        self._start("coordinator", _cli(*log, "coordinator", *prefix, *(["--dp-lockstep"] if args.dp_lockstep else [])))
         for rank in range(args.data_parallel_size):
-            self._spawn(f"engine-{rank}", _cli("--log-level", args.log_level, "engine", "--model", args.model,
-                                              "--dp-rank", str(rank), "--redis-url", args.redis_url,
-                                              "--key-prefix", args.key_prefix,
+            self._start(f"engine-{rank}", _cli(*log, "engine", "--model", args.model, "--dp-rank", str(rank), *prefix,
                                               *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES)),
-                        env=self._engine_env())
+                        self._engine_env(), stop_timeout=ENGINE_DRAIN_TIMEOUT + 10)
         api = ["api", "--model", args.model, "--host", args.host, "--port", str(args.port),
                "--workers", str(args.api_workers), "--max-queued-requests", str(args.max_queued_requests)]
-        if args.api_key:
-            api += ["--api-key", args.api_key]
         if args.served_model_name:
             api += ["--served-model-name", args.served_model_name]
-        self._spawn("api", _cli("--log-level", args.log_level, *api, *common[:4]))
+        api += _flags(args, [], ["public_metrics", "trust_request_chat_template"])
+        self._start("api", _cli(*log, *api, *prefix), {"REDSERVE_API_KEY": args.api_key} if args.api_key else {})
         names = [args.served_model_name] if args.served_model_name else []
         if not args.no_batch_worker:
-            self._spawn("batch", _cli("--log-level", args.log_level, "batch", "worker", "--model", args.model,
-                                      *common[:4], *(["--served-model-name", *names] if names else [])))
-        write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names))
+            self._start("batch", _cli(*log, "batch", "worker", "--model", args.model, *prefix,
+                                      *(["--served-model-name", *names] if names else [])))
+        admin_url = self.redis.admin_url if self.redis is not None else None
+        write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names, admin_redis_url=admin_url))
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               stop_timeout: float | None = None) -> None:
+        full_env = {**os.environ, "REDSERVE_REDIS_URL": self.args.redis_url, **(env or {})}
+        timeout = stop_timeout if stop_timeout is not None else STOP_TIMEOUTS[name]
+        self.supervisor.start(ChildSpec(name, argv, full_env, timeout))
 
     def _engine_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.args.data_parallel_size)))
-        return env
+        threads = str(max(1, (os.cpu_count() or 1) // self.args.data_parallel_size))
+        return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        proc = subprocess.Popen(argv, preexec_fn=pdeathsig_preexec(), stdin=subprocess.DEVNULL, env=env)
-        self.children.append((name, proc))
+    def _reset_restart_counts(self) -> None:
+        try:
+            self._counter.delete(self.keys.stack_restarts())
+        except redis.RedisError as e:
+            logger.warning("could not clear %s: %s", self.keys.stack_restarts(), e)
 
-    def wait_ready(self, timeout: float = 600.0) -> bool:
-        url = f"http://{self.args.host}:{self.args.port}/health"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.stopping:
-            if self._dead_child():
-                return False
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.5)
-        return False
-
-    def _dead_child(self) -> str | None:
-        for name, proc in self.children:
-            if proc.poll() is not None:
-                return f"{name} exited with code {proc.returncode}"
-        return None
+    def _count_restart(self, name: str) -> None:
+        try:
+            self._counter.hincrby(self.keys.stack_restarts(), name, 1)
+        except redis.RedisError as e:
+            logger.warning("could not count the restart of %s in Redis: %s", name, e)
 
     def supervise(self) -> int:
+        """Keep the children running until a stop is requested (0) or a child crash-loops (1)."""
         while not self.stopping:
-            dead = self._dead_child()
-            if dead:
-                logger.error("%s; stopping the stack", dead)
+            try:
+                self.supervisor.check()
+            except CrashLoop as e:
+                logger.error("%s", e)
                 return 1
-            time.sleep(0.5)
+            if not self.ready and self._healthy():
+                self.ready = True
+                args = self.args
+                print(f"redserve is serving {args.model} at http://{args.host}:{args.port}/v1 "
+                      f"(Redis {mask_url(args.redis_url)}); Ctrl-C stops it", flush=True)
+            time.sleep(_TICK if self.ready else 0.5)
         return 0
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.args.host}:{self.args.port}/health", timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def request_stop(self) -> None:
+        """Signal handler: the first call stops gracefully, a second one forces the stop."""
+        if self.stopping:
+            logger.warning("second stop request: killing every child now")
+            self.supervisor.force()
+        self.stopping = True
 
     def stop(self) -> None:
         self.stopping = True
-        engines = [n for n, _ in self.children if n.startswith("engine-")]
-        for group in (["api", "batch"], engines, ["coordinator"]):
-            procs = [p for n, p in self.children if n in group and p.poll() is None]
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 40
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        engines = [c.name for c in self.supervisor.children if c.name.startswith("engine-")]
+        self.supervisor.stop([["api", "batch"], engines, ["coordinator"]])
         remove_stack_state()
+        if self._counter is not None:
+            self._counter.close()
         if self.redis is not None:
             self.redis.stop()
+        logger.info("stack stopped")
 
 
 def run_stack(args: argparse.Namespace) -> int:
     set_title("redserve-serve")
-    stack = Stack(args)
-
-    def on_signal(*_: object) -> None:
-        stack.stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack = Stack(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    signal.signal(signal.SIGINT, lambda *_: stack.request_stop())
+    signal.signal(signal.SIGTERM, lambda *_: stack.request_stop())
     code = 1
     try:
         stack.start()
-        if stack.wait_ready():
-            print(f"redserve is serving {args.model} at http://{args.host}:{args.port}/v1 "
-                  f"(Redis {args.redis_url}); Ctrl-C stops it", flush=True)
-            code = stack.supervise()
-        elif not stack.stopping:
-            logger.error("the stack did not become ready: %s", stack._dead_child() or "timed out")
-        else:
-            code = 0
+        code = stack.supervise()
     finally:
         stack.stop()
     return code

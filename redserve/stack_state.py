@@ -5,7 +5,10 @@ the URL (and key prefix, model) from here.
 
 Rules:
 - The file is ``$REDSERVE_STATE_DIR/stack.json`` (default ``~/.cache/redserve/stack.json``):
-  ``{"redis_url", "key_prefix", "model", "served_model_names", "pid"}``.
+  ``{"redis_url", "key_prefix", "model", "served_model_names", "pid", "admin_redis_url"}`` (the admin
+  URL only when ``serve`` started an embedded Redis).
+- The file holds the Redis URL with its password, so it is created with mode 0600 (and its directory,
+  when created here, 0700).
 - `write_stack_state` replaces it atomically (a file that cannot be written is a warning, not an
   error); `remove_stack_state` removes it only if this process wrote it (a second ``serve`` may
   have replaced it since).
@@ -34,6 +37,7 @@ class StackState:
     model: str | None = None
     served_model_names: list[str] = field(default_factory=list)
     pid: int = field(default_factory=os.getpid)
+    admin_redis_url: str | None = None  # the embedded Redis's operator user (`redserve redis-cli --admin`)
 
 
 def state_path() -> Path:
@@ -45,9 +49,13 @@ def write_stack_state(state: StackState) -> Path | None:
     """Record `state`; its path, or None (and a warning) if the file cannot be written."""
     path = state_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies only when created
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(state)), encoding="utf-8")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # left by a crashed writer with our pid: O_EXCL below must create it afresh
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(state)))
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("could not record the stack in %s (%s): pass --redis-url to `redserve batch`", path, e)

@@ -5,6 +5,9 @@ every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL 
 stream length and pending count, its `rs:lb` entry), engines recently declared dead (their hashes are
 kept a while), and the clients (API processes, Celery workers) with their heartbeats.
 `--json` prints the same as one JSON object. Imports no torch.
+
+Garbage in Redis (a malformed id in a set, a key of the wrong type, a field that is not a number) is
+skipped with a warning on stderr (`broker.control_state`); the good entries are still shown.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any
 
 import redis
 
-from broker.keys import RedisKeys
+from broker.control_state import decode_fields, is_wrong_type, parse_int, read_members, utf8, warn_bad
+from broker.keys import RedisKeys, check_id
 from broker.load_balance import read_lb_snapshot
-from broker.registry import EngineRegistry, decode_fields
+from broker.registry import EngineRegistry
 
 
 def collect_status(r: redis.Redis, keys: RedisKeys) -> dict[str, Any]:
@@ -30,22 +34,45 @@ def collect_status(r: redis.Redis, keys: RedisKeys) -> dict[str, Any]:
     p.pttl(keys.coordinator_lock())
     p.hgetall(keys.coordinator())
     p.get(keys.wave())
-    lock_holder, lock_pttl, coordinator, wave = p.execute()
+    replies = p.execute(raise_on_error=False)
+    lock_holder, lock_pttl, coordinator = (
+        _checked(reply, key)
+        for reply, key in zip(replies[:3], [keys.coordinator_lock()] * 2 + [keys.coordinator()], strict=True))
+    holder = None if lock_holder is None else utf8(lock_holder) or repr(lock_holder)
     engines = EngineRegistry(r, keys).all_engines()
     lb = read_lb_snapshot(r, keys)
     _add_engine_details(r, keys, engines, lb, now)
     return {
         "prefix": keys.prefix,
         "coordinator": {
-            "holder": lock_holder.decode() if lock_holder else None,
-            "lock_ttl_s": round(lock_pttl / 1000, 2) if lock_pttl and lock_pttl > 0 else None,
-            **decode_fields(coordinator),
+            **decode_fields(coordinator or {}, keys.coordinator()),
+            "holder": holder,
+            "lock_ttl_s": round(lock_pttl / 1000, 2) if holder and isinstance(lock_pttl, int) and lock_pttl > 0
+            else None,
         },
-        "wave": int(wave or 0),
+        "wave": _wave(replies[3], keys.wave()),
         "engines": engines,
         "dead_engines": _dead_engines(r, keys, {e["engine_id"] for e in engines}),
         "clients": _clients(r, keys),
     }
+
+
+def _checked(reply: Any, key: str) -> Any:
+    """A pipeline reply; None for a key of the wrong type (logged). Other errors raise."""
+    if isinstance(reply, Exception):
+        if not is_wrong_type(reply):
+            raise reply
+        warn_bad(f"{key}:wrongtype", "ignoring %s: %s", key, reply)
+        return None
+    return reply
+
+
+def _wave(reply: Any, key: str) -> int | None:
+    """The wave counter (0 before a coordinator ever ran); None if it holds something else."""
+    if reply is None:
+        return 0
+    raw = _checked(reply, key)
+    return None if raw is None else parse_int(utf8(raw) or "")
 
 
 def _add_engine_details(r: redis.Redis, keys: RedisKeys, engines: list[dict], lb: dict, now: float) -> None:
@@ -72,10 +99,19 @@ def _dead_engines(r: redis.Redis, keys: RedisKeys, registered: set[str]) -> list
     pattern = keys.engine("*")
     found = []
     for raw in r.scan_iter(match=pattern, _type="HASH", count=500):
-        engine_id = raw.decode()[len(pattern) - 1:]
+        key = utf8(raw) or ""
+        try:
+            engine_id = check_id("engine", key[len(pattern) - 1:])
+        except ValueError as e:
+            warn_bad(f"{raw!r}:engine-key", "ignoring %r: %s", raw, e)
+            continue
         if engine_id in registered:
             continue
-        info = decode_fields(r.hgetall(raw))
+        try:
+            info = decode_fields(r.hgetall(raw), key)
+        except redis.ResponseError as e:  # it changed type since the SCAN
+            _checked(e, key)
+            continue
         if info:
             found.append({"engine_id": engine_id, "state": info.get("state"), "host": info.get("host"),
                           "pid": info.get("pid"), "dead_at": info.get("dead_at")})
@@ -83,15 +119,19 @@ def _dead_engines(r: redis.Redis, keys: RedisKeys, registered: set[str]) -> list
 
 
 def _clients(r: redis.Redis, keys: RedisKeys) -> list[dict[str, Any]]:
-    ids = sorted(m.decode() for m in r.smembers(keys.clients()))
+    ids = read_members(r, keys.clients(), "client")
     p = r.pipeline(transaction=False)
     for client_id in ids:
         p.get(keys.client_alive(client_id))
         p.pttl(keys.client_alive(client_id))
-    replies = p.execute() if ids else []
-    return [{"client_id": c, "alive": value is not None, "info": value.decode() if value else None,
-             "heartbeat_ttl_left_s": round(pttl / 1000, 2) if pttl > 0 else None}
-            for c, value, pttl in zip(ids, replies[0::2], replies[1::2], strict=True)]
+    replies = p.execute(raise_on_error=False) if ids else []
+    clients = []
+    for c, value, pttl in zip(ids, replies[0::2], replies[1::2], strict=True):
+        value = _checked(value, keys.client_alive(c))
+        clients.append({"client_id": c, "alive": value is not None,
+                        "info": None if value is None else value.decode("utf-8", "replace"),
+                        "heartbeat_ttl_left_s": round(pttl / 1000, 2) if isinstance(pttl, int) and pttl > 0 else None})
+    return clients
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -110,7 +150,8 @@ def format_status(s: dict[str, Any]) -> str:
             coord += f", rs:lb written {time.time() - c['lb_written_at']:.1f}s ago"
     else:
         coord = "none active (no lock holder): rs:lb and rs:wave are not being updated"
-    lines = [f"prefix {s['prefix']!r}   wave {s['wave']}", f"coordinator: {coord}", "",
+    wave = "? (not a wave number)" if s["wave"] is None else s["wave"]
+    lines = [f"prefix {s['prefix']!r}   wave {wave}", f"coordinator: {coord}", "",
              f"engines ({len(s['engines'])}):"]
     rows = []
     for e in s["engines"]:
@@ -126,7 +167,7 @@ def format_status(s: dict[str, Any]) -> str:
                      "heartbeat age/ttl", "wave", "stream", "pending", "lb w/r (age)"], rows)
     lines.append("  (wave*: the engine is in a running wave; stream = XLEN, pending = XPENDING: requests in flight)")
     if s["dead_engines"]:
-        lines += ["", f"dead engine records ({len(s['dead_engines'])}):"]
+        lines += ["", f"other engine records: dead, or not valid registrations ({len(s['dead_engines'])}):"]
         lines += _table(["id", "state", "host/pid", "dead_at"],
                         [[d["engine_id"], d["state"], f"{d['host']}/{d['pid']}", d["dead_at"]] for d in s["dead_engines"]])
     lines += ["", f"clients ({sum(c['alive'] for c in s['clients'])} alive of {len(s['clients'])}):"]
@@ -137,16 +178,17 @@ def format_status(s: dict[str, Any]) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from broker.connection import connect
+    from broker.connection import connect, mask_url
+    url = mask_url(args.redis_url)
     client = connect(args.redis_url, retries=1)
     try:
         status = collect_status(client, RedisKeys(args.key_prefix))
     except redis.RedisError as e:
-        print(f"redserve status: cannot read Redis at {args.redis_url}: {e}")
+        print(f"redserve status: cannot read Redis at {url}: {e}")
         return 1
     finally:
         client.close()
-    status["redis_url"] = args.redis_url
+    status["redis_url"] = url
     with contextlib.suppress(BrokenPipeError):  # `redserve status | head`
-        print(json.dumps(status, default=str) if args.json else f"redis {args.redis_url}   " + format_status(status))
+        print(json.dumps(status, default=str) if args.json else f"redis {url}   " + format_status(status))
     return 0

@@ -1,8 +1,9 @@
 """Shared pytest fixtures.
 
-Redis: one private `redis-server` per test session (`redis_server`); each test gets its own
-database, flushed before and after (`redis_url`), and its own key prefix (`redis_keys`): pub/sub
-channels are not per database, so the prefix is what keeps tests' channels apart.
+Redis: one private, authenticated Redis server per test session (`redis_server`); each test gets its
+own database, flushed (as the admin user) before and after, and a URL of the application user for it
+(`redis_url`), and its own key prefix (`redis_keys`): pub/sub channels are not per database, so the
+prefix is what keeps tests' channels apart.
 """
 
 from __future__ import annotations
@@ -28,13 +29,28 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
-    url = f"redis://127.0.0.1:{redis_server.port}/{next(_databases)}"
-    admin = redis.Redis.from_url(url)
+def redis_db(redis_server: EmbeddedRedis) -> Iterator[int]:
+    """This test's database number, flushed (as the admin user: the app user cannot FLUSHDB) around it."""
+    db = next(_databases)
+    admin = redis.Redis.from_url(redis_server.url_for_db(db, admin=True))
     admin.flushdb()
-    yield url
+    yield db
     admin.flushdb()
     admin.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis, redis_db: int) -> str:
+    """The application user's URL of this test's database."""
+    return redis_server.url_for_db(redis_db)
+
+
+@pytest.fixture
+def redis_admin(redis_server: EmbeddedRedis, redis_db: int) -> Iterator[redis.Redis]:
+    """An admin client of this test's database, for what the app user may not do (FLUSHDB, CONFIG)."""
+    client = redis.Redis.from_url(redis_server.url_for_db(redis_db, admin=True))
+    yield client
+    client.close()
 
 
 @pytest.fixture

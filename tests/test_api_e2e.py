@@ -95,7 +95,7 @@ def test_models_health_version(stack, model) -> None:
     assert entry["max_model_len"] == 2048 and entry["root"] == stack.model_dir and entry["owned_by"]
     health = requests.get(f"{stack.base_url}/health", timeout=10)
     assert health.status_code == 200, health.text
-    assert requests.get(f"{stack.base_url}/version", timeout=10).json()["version"]
+    assert requests.get(f"{stack.base_url}/version", headers=AUTH, timeout=10).json()["version"]
 
 
 def test_processes_are_titled(stack) -> None:
@@ -314,13 +314,14 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(stack, client, m
     assert client.completions.create(model=model, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_api_key_required_on_v1_only(stack) -> None:
+def test_api_key_required_everywhere_but_health(stack) -> None:
     url = f"{stack.base_url}/v1/completions"
     assert requests.post(url, json={"prompt": "x"}, timeout=10).status_code == 401
     wrong = requests.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}, timeout=10)
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert requests.get(f"{stack.base_url}/health", timeout=10).status_code == 200
-    assert requests.get(f"{stack.base_url}/metrics", timeout=10).status_code == 200
+    assert requests.get(f"{stack.base_url}/metrics", timeout=10).status_code == 401
+    assert requests.get(f"{stack.base_url}/metrics", headers=AUTH, timeout=10).status_code == 200
 
 
 def test_429_when_one_process_is_full_then_clean_sigterm(stack, model) -> None:
@@ -364,10 +365,10 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 def test_metrics_consistent_across_workers(stack, client, model) -> None:
     url = f"{stack.base_url}/metrics"
-    before = requests.get(url, timeout=10).text
+    before = requests.get(url, headers=AUTH, timeout=10).text
     for _ in range(10):
         client.completions.create(model=model, prompt="hello", max_tokens=3, extra_body={"ignore_eos": True})
-    scrapes = [requests.get(url, timeout=10).text for _ in range(8)]
+    scrapes = [requests.get(url, headers=AUTH, timeout=10).text for _ in range(8)]
     success = [metric_sum(s, "redserve:request_success_total", finished_reason="length") for s in scrapes]
     generated = [metric_sum(s, "redserve:generation_tokens_total") for s in scrapes]
     assert len(set(success)) == 1 and len(set(generated)) == 1, "scrapes of different workers disagree"

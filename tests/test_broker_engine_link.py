@@ -89,11 +89,11 @@ def test_new_incarnation_invalidates_old_heartbeat(registry, redis_client, redis
     assert registry.get("e0")["alive"] is False
 
 
-def test_heartbeat_restores_registration_after_flush(registry, redis_client, redis_keys):
+def test_heartbeat_restores_registration_after_flush(registry, redis_client, redis_admin, redis_keys):
     registry.register("e0", {"model": "m"})
     registry.mark_ready("e0", 10, 16, 128)
     assert registry.heartbeat("e0", ttl=5) is False
-    redis_client.flushdb()
+    redis_admin.flushdb()
     assert registry.heartbeat("e0", ttl=5) is True
     [ready] = registry.ready_engines()
     assert ready["model"] == "m" and ready["num_kv_blocks"] == 10
@@ -157,10 +157,10 @@ def test_reset_drops_old_requests(redis_client, redis_keys):
     assert reader.read(block_ms=10) == []
 
 
-def test_reader_recreates_group_after_flush(redis_client, redis_keys):
+def test_reader_recreates_group_after_flush(redis_client, redis_admin, redis_keys):
     reader = RequestReader(redis_client, redis_keys, "e0")
     reader.reset()
-    redis_client.flushdb()  # what a Redis restart looks like to the reader
+    redis_admin.flushdb()  # what a Redis restart looks like to the reader
     _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c", [1], {}, 1.0))
     msgs = []
     for _ in range(3):

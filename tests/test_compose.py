@@ -2,8 +2,12 @@
 
 The compose file must parse, every service's command must be a real ``redserve`` subcommand with
 valid flags (parsed by `redserve.cli.build_parser` with the service's environment), every REDSERVE_*
-variable it sets must be one the code reads, and the same commands, started as local processes
-(embedded Redis in place of the redis service), must serve a request and a small batch.
+variable it sets must be one the code reads, and the same commands, started as local processes (the
+redis service's own command too, on this machine's Redis-compatible server), must serve a request and
+a small batch and pass their healthchecks.
+Safe to expose: the API key and the Redis passwords are required and reach the services through the
+environment only (never a command line), published ports bind 127.0.0.1 unless the user opts out,
+every service runs with no-new-privileges, no capabilities, an init process and a restart policy.
 """
 
 from __future__ import annotations
@@ -18,30 +22,43 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import requests
 import yaml
 from stack_procs import Procs, engine_ready, free_port, title, wait_for
 
 from broker.keys import RedisKeys
-from broker.redis_server import EmbeddedRedis
+from broker.redis_conf import APP_USER, APP_USER_RULES
+from broker.redis_server import redis_server_path
 from redserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 REDSERVE_SERVICES = {"coordinator", "engine-0", "engine-1", "api", "batch-worker"}
-_VAR = re.compile(r"\$\{(?P<name>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
+SECRETS = {"REDSERVE_API_KEY": "api-key-4b1d", "REDSERVE_REDIS_PASSWORD": "app9c0ffee",
+           "REDSERVE_REDIS_ADMIN_PASSWORD": "admin7e57ab1e"}
+_VAR = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
+
+
+class MissingVariable(ValueError):
+    """A ${VAR:?message} whose variable is unset or empty: compose refuses to start."""
 
 
 def interpolate(value: Any, env: dict[str, str]) -> Any:
-    """Compose's variable substitution (${VAR}, ${VAR:-default}, ${VAR-default}) over a parsed file."""
+    """Compose's variable substitution over a parsed file: ${VAR}, ${VAR:-default}, ${VAR-default},
+    ${VAR:?error}, ${VAR?error} and $$ (a literal $)."""
     if isinstance(value, str):
         def sub(m: re.Match) -> str:
             name, op, default = m["name"], m["op"], m["default"] or ""
+            if name is None:
+                return "$"
             if op == ":-":
                 return env.get(name) or default
             if op == "-":
                 return env.get(name, default)
+            if op in (":?", "?") and (name not in env or (op == ":?" and not env[name])):
+                raise MissingVariable(f"{name}: {default}")
             return env.get(name, "")
 
         return _VAR.sub(sub, value)
@@ -52,8 +69,9 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     return value
 
 
-def load(path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
-    return interpolate(yaml.safe_load(path.read_text()), env or {})
+def load(path: Path, env: dict[str, str] | None = None, secrets: bool = True) -> dict[str, Any]:
+    """The file with `env` substituted (plus the required `SECRETS` unless `secrets` is False)."""
+    return interpolate(yaml.safe_load(path.read_text()), {**(SECRETS if secrets else {}), **(env or {})})
 
 
 def parse_command(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
@@ -77,10 +95,11 @@ def test_compose_file_has_the_stack() -> None:
     for name in REDSERVE_SERVICES:
         service = services[name]
         assert service["depends_on"]["redis"]["condition"] == "service_healthy"
-        assert service["environment"]["REDSERVE_REDIS_URL"] == "redis://redis:6379/0"
+        assert service["environment"]["REDSERVE_REDIS_URL"] == f"redis://{APP_USER}:app9c0ffee@redis:6379/0"
         assert service["environment"]["REDSERVE_MODEL"] == "/models/model"
         assert "./models:/models:ro" in service["volumes"]
-    assert services["api"]["ports"] == ["8000:8000"]
+    assert services["api"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert services["api"]["environment"]["REDSERVE_API_KEY"] == SECRETS["REDSERVE_API_KEY"]
     assert services["engine-0"]["environment"]["REDSERVE_TENSOR_PARALLEL_SIZE"] == "1"
     custom = load(COMPOSE, {"REDSERVE_MODEL_DIR": "/srv/m", "REDSERVE_TENSOR_PARALLEL_SIZE": "4"})["services"]
     assert custom["engine-1"]["environment"]["REDSERVE_TENSOR_PARALLEL_SIZE"] == "4"
@@ -96,12 +115,13 @@ def test_every_command_is_a_valid_redserve_command(monkeypatch: pytest.MonkeyPat
         with monkeypatch.context() as m:
             parsed[name] = args = parse_command(services[name], m)
         assert args.command == expected[name]
-        assert args.redis_url == "redis://redis:6379/0", name
+        assert args.redis_url == f"redis://{APP_USER}:app9c0ffee@redis:6379/0", name
     for rank in (0, 1):
         engine = parsed[f"engine-{rank}"]
         assert (engine.dp_rank, engine.tensor_parallel_size, engine.dtype) == (rank, 2, "bfloat16")
         assert engine.model == "/models/model"
     assert (parsed["api"].model, parsed["api"].host, parsed["api"].port) == ("/models/model", "0.0.0.0", 8000)
+    assert parsed["api"].api_key == SECRETS["REDSERVE_API_KEY"] and not parsed["api"].public_metrics
     assert parsed["batch-worker"].batch_command == "worker" and parsed["batch-worker"].concurrency == 2
     assert parsed["batch-worker"].model == "/models/model"
 
@@ -110,13 +130,43 @@ def test_compose_variables_are_read_by_the_code() -> None:
     readers = ["redserve/cli.py", "api/options.py", "api/batch/cli.py", "api/batch/tasks.py"]
     source = "".join((ROOT / path).read_text() for path in readers)
     text = COMPOSE.read_text()
-    environment = {name for service in load(COMPOSE)["services"].values()
-                   for name in service.get("environment", {})}
+    environment = {name for service_name, service in load(COMPOSE)["services"].items()
+                   for name in service.get("environment", {}) if service_name in REDSERVE_SERVICES}
     used = {name for name in environment if name.startswith("REDSERVE_")}
     used |= {m["name"] for m in _VAR.finditer(text) if m["name"] in environment}
     assert used, "the compose file sets no REDSERVE_* variable"
     unread = sorted(name for name in used if f'"{name}"' not in source)
     assert not unread, f"variables the code never reads: {unread}"
+
+
+def test_compose_is_safe_to_expose() -> None:
+    raw = yaml.safe_load(COMPOSE.read_text())
+    services = load(COMPOSE)["services"]
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped", name
+        assert service["init"] is True, name
+        assert "no-new-privileges:true" in service["security_opt"], name
+        assert service["cap_drop"] == ["ALL"], name
+        assert "privileged" not in service and "network_mode" not in service, name
+        if name != "batch-worker":
+            assert service["healthcheck"]["test"][0] == "CMD", name
+        for spec in service.get("ports", []):  # host address:host port:container port
+            assert spec.startswith("127.0.0.1:"), f"{name} publishes {spec} beyond loopback"
+        for secret in SECRETS.values():
+            assert secret not in json.dumps([service.get("command"), service.get("healthcheck")]), \
+                f"{name}: a secret on a command line"
+    assert "ports" not in services["redis"] and services["redis"]["user"] == "redis"
+    assert raw["services"]["redis"]["image"].startswith("redis:7")
+    opened = load(COMPOSE, {"REDSERVE_API_BIND": "0.0.0.0", "REDSERVE_API_PORT": "9000"})["services"]
+    assert opened["api"]["ports"] == ["0.0.0.0:9000:8000"]
+    for required in SECRETS:
+        partial = {k: v for k, v in SECRETS.items() if k != required}
+        with pytest.raises(MissingVariable, match=required):
+            load(COMPOSE, partial, secrets=False)
+        with pytest.raises(MissingVariable, match=required):
+            load(COMPOSE, {**partial, required: ""}, secrets=False)
+    # The redis service's ACL is the embedded server's: same application user and rules.
+    assert f"user {APP_USER} on >$REDIS_APP_PASSWORD {APP_USER_RULES}" in services["redis"]["command"][-1]
 
 
 def test_gpu_override_and_dockerfile() -> None:
@@ -136,6 +186,8 @@ def test_gpu_override_and_dockerfile() -> None:
 
 def local_argv(argv: list[str], port: int) -> list[str]:
     """A service command as a local process: this interpreter, the API on 127.0.0.1:`port`."""
+    if argv[0] == "python":
+        return [sys.executable, *argv[1:]]
     out = [sys.executable, "-m", "redserve.cli", *argv[1:]]
     for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
         if flag in out:
@@ -143,37 +195,91 @@ def local_argv(argv: list[str], port: int) -> list[str]:
     return out
 
 
+def start_compose_redis(procs: Procs, service: dict[str, Any], tmp_path: Path) -> str:
+    """The redis service's own command (``sh -c 'exec redis-server - <<EOF ...'``) on this machine's
+    Redis-compatible server, on 127.0.0.1 at a free port; the application user's URL."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "redis-server").symlink_to(redis_server_path())
+    port = free_port()
+    env = {**service["environment"], "PATH": f"{shim}:{os.environ['PATH']}", "REDIS_PORT": str(port),
+           "REDIS_BIND": "127.0.0.1", "REDIS_MAXMEMORY": "256mb"}
+    procs.start("redis", service["command"], env=env)
+    url = f"redis://{APP_USER}:{SECRETS['REDSERVE_REDIS_PASSWORD']}@127.0.0.1:{port}/0"
+    wait_for(lambda: _pings(url), 30, "the redis service", watch=tuple(procs.procs))
+    return url
+
+
+def _pings(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_timeout=2) as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def check_redis_acl(port_url: str) -> None:
+    """The application user works but cannot reconfigure or wipe; nobody gets in without a password."""
+    app = redis.Redis.from_url(port_url)
+    assert app.set("compose-acl-probe", "1") and app.delete("compose-acl-probe") == 1
+    for command in (("FLUSHALL",), ("CONFIG", "SET", "dir", "/tmp"), ("SHUTDOWN",), ("FLUSHDB",),
+                    ("ACL", "SETUSER", "intruder", "on", ">x", "+@all")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            app.execute_command(*command)
+    anonymous = port_url.replace(f"{APP_USER}:{SECRETS['REDSERVE_REDIS_PASSWORD']}@", "")
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(anonymous).ping()
+    admin_url = port_url.replace(f"{APP_USER}:{SECRETS['REDSERVE_REDIS_PASSWORD']}",
+                                 f"admin:{SECRETS['REDSERVE_REDIS_ADMIN_PASSWORD']}")
+    assert redis.Redis.from_url(admin_url).config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+
+
+def healthcheck(service: dict[str, Any], env: dict[str, str], api_port: int = 8000) -> int:
+    """Exit code of the service's healthcheck command run locally (the API's on `api_port`)."""
+    argv = [arg.replace("127.0.0.1:8000/", f"127.0.0.1:{api_port}/")
+            for arg in local_argv(service["healthcheck"]["test"][1:], api_port)]
+    return subprocess.run(argv, env={**os.environ, **env}, capture_output=True, timeout=60).returncode
+
+
 def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_path: Path) -> None:
     host_env = {"REDSERVE_MODEL": tiny_llama_dir, "REDSERVE_DTYPE": "float32", "REDSERVE_DEVICE": "cpu",
                 "REDSERVE_API_WORKERS": "1", "REDSERVE_BATCH_CONCURRENCY": "1",
                 "REDSERVE_KEY_PREFIX": f"c{uuid.uuid4().hex[:8]}"}
     services = load(COMPOSE, host_env)["services"]
-    server = EmbeddedRedis().start()
     procs = Procs(tmp_path)
     port = free_port()
     try:
+        redis_url = start_compose_redis(procs, services["redis"], tmp_path)
+        check_redis_acl(redis_url)
+        local = {"REDSERVE_REDIS_URL": redis_url, "REDSERVE_STATE_DIR": str(tmp_path)}
+        assert healthcheck(services["engine-0"], {**services["engine-0"]["environment"], **local}) == 1
         started = {}
         for name in ("coordinator", "engine-0", "api", "batch-worker"):
-            env = {**services[name]["environment"], "REDSERVE_REDIS_URL": server.url,
-                   "REDSERVE_STATE_DIR": str(tmp_path)}
+            env = {**services[name]["environment"], **local}
             started[name] = procs.start(name, local_argv(services[name]["command"], port), env=env)
         base = f"http://127.0.0.1:{port}"
         keys = RedisKeys(host_env["REDSERVE_KEY_PREFIX"])
         watch = tuple(started.values())
-        wait_for(lambda: engine_ready(server.url, keys), 120, "the engine", watch=watch)
+        wait_for(lambda: engine_ready(redis_url, keys), 120, "the engine", watch=watch)
         wait_for(lambda: _healthy(base), 60, "the API", watch=watch)
+        for name, healthy in (("engine-0", 0), ("engine-1", 1), ("coordinator", 0), ("api", 0)):
+            env = {**services[name]["environment"], **local}
+            wait_for(lambda s=services[name], e=env, h=healthy: healthcheck(s, e, port) == h, 30,
+                     f"{name}'s healthcheck to exit {healthy}")
 
+        auth = {"Authorization": f"Bearer {SECRETS['REDSERVE_API_KEY']}"}
         body = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
-        http = requests.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        assert requests.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 401
+        http = requests.post(f"{base}/v1/completions", json=body, headers=auth, timeout=60).json()
         chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
                 "temperature": 0}
-        http_chat = requests.post(f"{base}/v1/chat/completions", json=chat, timeout=60).json()
+        http_chat = requests.post(f"{base}/v1/chat/completions", json=chat, headers=auth, timeout=60).json()
 
         src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         items = [("a", "/v1/completions", body), ("b", "/v1/chat/completions", chat)]
         src.write_text("".join(json.dumps({"custom_id": c, "method": "POST", "url": u, "body": b}) + "\n"
                                for c, u, b in items))
-        env = {**os.environ, **services["batch-worker"]["environment"], "REDSERVE_REDIS_URL": server.url}
+        env = {**os.environ, **services["batch-worker"]["environment"], "REDSERVE_REDIS_URL": redis_url}
         submit = [sys.executable, "-m", "redserve.cli", "batch", "submit", str(src), "--output", str(out)]
         done = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
@@ -189,7 +295,6 @@ def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_p
         assert title(started["coordinator"].pid).startswith("redserve-coordinator")
     finally:
         procs.close()
-        server.stop()
 
 
 def _healthy(base: str) -> bool:

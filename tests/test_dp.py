@@ -95,7 +95,7 @@ def _finish(handle) -> tuple[list[int], str | None, str | None]:
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tiny_llama_dir):
-    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    url = redis_server.url
     s = Stack(url, RedisKeys(f"dp{uuid.uuid4().hex[:8]}"), tiny_llama_dir)
     try:
         s.start_engine(0)

@@ -2,8 +2,10 @@
 
 The engine owns every segment: one broadcast queue (engine writes, every rank reads) and one
 response queue per rank (the rank writes, the engine reads), so a killed worker leaves nothing in
-/dev/shm. Each worker gets a ready pipe (READY or the startup error) and a death pipe (EOF when the
-engine goes away). A monitor thread waits on the workers' process sentinels: when one dies, pending
+/dev/shm. The TP rendezvous is a file store in a 0700 directory of the engine's
+(``worker.parallel_state``), removed at shutdown, or by the workers when the engine dies: nothing of
+TP setup listens on a network port. Each worker gets a ready pipe (READY or the startup error) and a
+death pipe (EOF when the engine goes away). A monitor thread waits on the workers' process sentinels: when one dies, pending
 and later calls raise ``WorkerDied`` at once and the engine fails its requests and exits non-zero.
 ``execute_model`` broadcasts one scheduler output per step and reads one reply, from rank 0.
 """
@@ -15,7 +17,8 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import socket
+import shutil
+import tempfile
 import threading
 import time
 from multiprocessing.connection import wait
@@ -40,12 +43,6 @@ class WorkerDied(RuntimeError):
     """A TP worker process exited; the engine cannot continue."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, dp_rank: int = 0):
         self.config = config
@@ -55,7 +52,8 @@ class MultiprocExecutor:
         tag = f"e{dp_rank}"
         self.broadcast = MessageQueue.create(self.world_size, tag=tag)
         self.responses = [MessageQueue.create(1, tag=f"{tag}r{r}", reader_rank=0) for r in range(self.world_size)]
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.rendezvous_dir = tempfile.mkdtemp(prefix=f"redserve-tp-{os.getpid()}-")  # mode 0700
+        store_path = os.path.join(self.rendezvous_dir, "store")
         ctx = mp.get_context("spawn")
         self.procs: list[mp.process.BaseProcess] = []
         self._death_writers = []
@@ -65,7 +63,7 @@ class MultiprocExecutor:
             death_reader, death_writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=worker_main, name=f"redserve-worker-{dp_rank}-{rank}", daemon=True,
-                args=(dataclasses.asdict(config), rank, f"redserve-worker-{dp_rank}-{rank}", init_method,
+                args=(dataclasses.asdict(config), rank, f"redserve-worker-{dp_rank}-{rank}", store_path,
                       self.broadcast.handle(), self.responses[rank].handle(), ready_writer, death_reader))
             proc.start()
             ready_writer.close()
@@ -181,4 +179,5 @@ class MultiprocExecutor:
         self.broadcast.close()
         for queue in self.responses:
             queue.close()
+        shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
         logger.info("TP workers of pid %d stopped", os.getpid())

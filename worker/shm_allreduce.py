@@ -13,11 +13,14 @@ does). Rules:
 - Waiting spins, yielding the CPU (ranks often share cores), then naps; a peer silent for
   ``timeout`` seconds raises TimeoutError instead of hanging.
 - Tensors larger than a slot are not handled here: ``fits`` says so and callers use gloo.
+- Rank 0 sends the segment's name as a fixed-size byte tensor (never a pickled object); the others
+  accept only a name of the form rank 0 makes (``rs_ar_<pid>_<hex>``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from multiprocessing.shared_memory import SharedMemory
 
@@ -31,17 +34,32 @@ SLOT_BYTES = 8 << 20
 _SPIN_SECONDS = 0.002
 
 
+_NAME_BYTES = 64
+_NAME = re.compile(r"rs_ar_[0-9]+_[0-9a-f]+")
+
+
+def _broadcast_name(name: str | None) -> str:
+    """Rank 0 passes the segment name; every rank gets it back (ValueError if it is not one of ours)."""
+    buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    if name is not None:
+        raw = name.encode("ascii")
+        buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    received = bytes(buf.tolist()).rstrip(b"\0").decode("ascii", "replace")
+    if not _NAME.fullmatch(received):
+        raise ValueError(f"TP rank 0 sent an invalid shared-memory segment name {received!r}")
+    return received
+
+
 class ShmCommunicator:
     def __init__(self, rank: int, world_size: int, slot_bytes: int = SLOT_BYTES, timeout: float = 300.0):
         self.rank, self.world_size, self.slot_bytes, self.timeout = rank, world_size, slot_bytes, timeout
         size = world_size * _LINE + world_size * 2 * slot_bytes
-        names = [None]
         if rank == 0:
             self._shm = SharedMemory(create=True, size=size, name=f"rs_ar_{os.getpid()}_{os.urandom(4).hex()}")
-            names = [self._shm.name]
-        dist.broadcast_object_list(names, src=0)
-        if rank != 0:
-            self._shm = attach_untracked(names[0])
+            _broadcast_name(self._shm.name)
+        else:
+            self._shm = attach_untracked(_broadcast_name(None))
         dist.barrier()
         if rank == 0:
             self._shm.unlink()

@@ -1,6 +1,6 @@
 """A tensor-parallel worker process: one rank of an engine's model.
 
-Startup: join the TP group (gloo on CPU, NCCL on CUDA), build the model runner (loading only this
+Startup: join the TP group (gloo on CPU, NCCL on CUDA; rendezvous through the engine's file store), build the model runner (loading only this
 rank's shards), attach to the engine's broadcast queue as reader ``rank`` and to its own response
 queue as writer, then report READY over the ready pipe. Then loop: dequeue one call, run it, reply
 when asked. The death pipe's EOF means the engine is gone: the worker exits at once.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import traceback
 from multiprocessing.connection import Connection
@@ -31,24 +32,26 @@ logger = logging.getLogger(__name__)
 SHUTDOWN = "shutdown"
 
 
-def _watch_parent(death_reader: Connection, segments: list[str]) -> None:
-    """Exit when the engine is gone; unlink its queues' segments in case it died without cleanup."""
+def _watch_parent(death_reader: Connection, segments: list[str], rendezvous_dir: str) -> None:
+    """Exit when the engine is gone; remove its queues' segments and TP rendezvous directory in case it
+    died without cleanup."""
     with contextlib.suppress(EOFError, OSError):
         death_reader.recv()
     for name in segments:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join("/dev/shm", name))
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)
     os._exit(1)
 
 
-def worker_main(config: dict[str, Any], rank: int, title: str, init_method: str, broadcast: QueueHandle,
+def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, broadcast: QueueHandle,
                 response: QueueHandle, ready_writer: Connection, death_reader: Connection) -> None:
     """Entry point of the spawned process."""
     set_title(title)
     logging.basicConfig(level=os.environ.get("REDSERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {title}[%(process)d]: %(message)s")
-    threading.Thread(target=_watch_parent, args=(death_reader, [broadcast.name, response.name]), daemon=True,
-                     name="death-pipe").start()
+    threading.Thread(target=_watch_parent, daemon=True, name="death-pipe",
+                     args=(death_reader, [broadcast.name, response.name], os.path.dirname(store_path))).start()
     try:
         engine_config = EngineConfig(**config)
         device = torch.device(engine_config.device)
@@ -58,7 +61,7 @@ def worker_main(config: dict[str, Any], rank: int, title: str, init_method: str,
             device = torch.device(engine_config.device)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_config.tensor_parallel_size))
-        init_tensor_parallel(rank, engine_config.tensor_parallel_size, init_method, device)
+        init_tensor_parallel(rank, engine_config.tensor_parallel_size, store_path, device)
         runner = ModelRunner(engine_config)
         inbox = MessageQueue.attach(broadcast, rank)
         outbox = MessageQueue.attach_writer(response)

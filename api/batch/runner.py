@@ -25,6 +25,7 @@ from api.batch.records import BatchRequest
 from api.chat import create_chat_completion
 from api.completions import create_completion
 from api.errors import ApiError
+from api.log_safety import printable
 from api.state import ApiState
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ class ItemRunner:
             status, body = self.answer(request)
             if status not in TRANSIENT or time.monotonic() + delay > give_up:
                 return status, body
-            logger.info("batch item %s: %d (%s); retrying in %.1fs", request.custom_id, status,
-                        body.get("error", {}).get("message"), delay)
+            logger.info("batch item %s: %d (%s); retrying in %.1fs", printable(request.custom_id), status,
+                        printable(body.get("error", {}).get("message"), limit=500), delay)
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
@@ -72,6 +73,6 @@ class ItemRunner:
             except ApiError as e:
                 return e.status, e.body()
             except Exception as e:
-                logger.exception("batch item %s failed on %s", request.custom_id, request.url)
+                logger.exception("batch item %s failed on %s", printable(request.custom_id), printable(request.url))
                 error = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
                 return error.status, error.body()

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from api.batch.store import BatchStore
+from api.log_safety import printable
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class BatchSweeper:
             self.enqueue(batch_id, chunks)
             requeued[batch_id] = chunks
             logger.warning("batch %s: no progress for %.0fs and nobody working on it: queued chunks %s again",
-                           batch_id, now - info.progress_at, chunks)
+                           printable(batch_id), now - info.progress_at, chunks)
         return requeued
 
     def start(self) -> BatchSweeper:

@@ -1,7 +1,8 @@
 """The Celery app of batch jobs and its one task, `run_chunk`.
 
 Rules:
-- Broker and result backend are the stack's Redis. Every Celery key lives under
+- Broker and result backend are the stack's Redis (its redis://, rediss:// or unix:// URL, translated for
+  Celery by `api.batch.celery_redis`). Every Celery key lives under
   ``RedisKeys.celery()`` (``rs:celery:``, kombu's ``global_keyprefix``), the queue is `QUEUE`, so
   Celery shares a Redis database with the stack without touching its keys. Messages and results
   are JSON (never pickle): a task message is only ``(batch_id, chunk)``; the items stay in Redis.
@@ -37,11 +38,13 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
+from api.batch.celery_redis import celery_redis_settings
 from api.batch.chunk import run_chunk
 from api.batch.runner import ItemRunner
 from api.batch.store import BatchStore
 from api.batch.sweeper import BatchSweeper
 from api.config import ApiConfig
+from api.log_safety import printable
 from api.state import ApiState
 from broker.connection import connect
 from broker.errors import BrokerError, BrokerUnavailable
@@ -79,6 +82,7 @@ class BatchSettings:
         if not self.redis_url:
             raise ValueError("no Redis URL: pass --redis-url, set REDSERVE_REDIS_URL, or run `redserve serve`")
         RedisKeys(self.key_prefix)
+        celery_redis_settings(self.redis_url)  # a URL Celery cannot use fails here, with the reason
         if self.visibility_timeout < 1:
             raise ValueError("--visibility-timeout must be at least 1 second")
         if self.request_timeout <= 0 or self.retry_for < 0:
@@ -128,8 +132,7 @@ def configure(settings: BatchSettings) -> Celery:
                        settings.request_timeout + settings.retry_for)
     prefix = settings.keys.celery()
     app.conf.update(
-        broker_url=settings.redis_url,
-        result_backend=settings.redis_url,
+        **celery_redis_settings(settings.redis_url),
         broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": settings.visibility_timeout,
                                   "unacked_restore_interval": settings.restore_interval,
                                   "unacked_restore_throttle": 1},
@@ -240,7 +243,7 @@ def run_chunk_task(self: Any, batch_id: str, chunk: int) -> dict[str, Any]:
     """Settle every item of one chunk (see `api.batch.chunk.run_chunk`); a summary of what it did."""
     ctx = worker_context()
     summary = run_chunk(ctx.store, ctx.runner, ctx.owner, batch_id, chunk)
-    logger.info("batch %s chunk %d: %d recorded, %d already done%s", batch_id, chunk, summary.recorded,
+    logger.info("batch %s chunk %d: %d recorded, %d already done%s", printable(batch_id), chunk, summary.recorded,
                 summary.skipped, " (the batch is gone)" if summary.gone else "")
     return summary.to_dict()
 

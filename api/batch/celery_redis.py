@@ -1,0 +1,62 @@
+"""Celery's broker and result-backend settings for a redserve Redis URL.
+
+Rules:
+- Every redserve process takes a redis-py URL (``redis://``, ``rediss://``, ``unix://``); Celery (kombu for
+  the broker, its own Redis backend for results) spells two of them differently, so
+  `celery_redis_settings` translates, credentials and database kept:
+  - ``redis://[USER:PASS@]HOST:PORT/DB``: unchanged.
+  - ``unix://[USER:PASS@]/PATH?db=N`` -> ``redis+socket://[USER:PASS@]/PATH?virtual_host=N``.
+  - ``rediss://...?ssl_ca_certs=..&ssl_certfile=..&ssl_keyfile=..&ssl_cert_reqs=..&ssl_check_hostname=..``:
+    the URL without its query, the ``ssl_*`` options in ``broker_use_ssl`` and ``redis_backend_use_ssl``.
+    ``ssl_cert_reqs`` defaults to ``required``, as in redis-py (kombu alone would not verify at all).
+- ``db`` and ``password`` query options move into the URL; any other option is a ValueError naming it,
+  never silently dropped.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
+
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+_SSL_PATHS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def celery_redis_settings(url: str) -> dict[str, Any]:
+    """``broker_url``, ``result_backend``, ``broker_use_ssl`` and ``redis_backend_use_ssl`` for `url`."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}: use redis://, rediss:// or unix://")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    netloc = _with_query_password(parts.netloc, query.pop("password", None))
+    path_db = "" if parts.scheme == "unix" else parts.path.strip("/")
+    db = query.pop("db", None) or path_db or "0"
+    tls = _ssl_options(query) if parts.scheme == "rediss" else None
+    if query:
+        raise ValueError(f"Redis URL option(s) {', '.join(sorted(query))} cannot be passed to Celery")
+    if parts.scheme == "unix":
+        celery_url = f"redis+socket://{netloc}{parts.path}?virtual_host={db}"
+    else:
+        celery_url = urlunsplit((parts.scheme, netloc, f"/{db}", "", ""))
+    return {"broker_url": celery_url, "result_backend": celery_url,
+            "broker_use_ssl": tls, "redis_backend_use_ssl": tls}
+
+
+def _with_query_password(netloc: str, password: str | None) -> str:
+    if password is None:
+        return netloc
+    userinfo, _, host = netloc.rpartition("@")
+    user = userinfo.split(":", 1)[0]
+    return f"{user}:{quote(password, safe='')}@{host}"
+
+
+def _ssl_options(query: dict[str, str]) -> dict[str, Any]:
+    reqs = query.pop("ssl_cert_reqs", "required").lower().removeprefix("cert_")
+    if reqs not in _CERT_REQS:
+        raise ValueError(f"ssl_cert_reqs={reqs!r}: use none, optional or required")
+    options: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS[reqs]}
+    options.update({key: query.pop(key) for key in _SSL_PATHS if key in query})
+    if "ssl_check_hostname" in query:
+        options["ssl_check_hostname"] = query.pop("ssl_check_hostname").lower() not in ("false", "0", "no")
+    return options

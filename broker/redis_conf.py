@@ -1,0 +1,81 @@
+"""The config file of the embedded Redis: its ACL users, its limits, no persistence.
+
+Rules:
+- Everything, the users' passwords included, goes into one file that the server reads at start
+  (`redis-server PATH`), written 0600 in a 0700 directory: no secret is on its command line, where
+  `ps` or /proc/PID/cmdline would show it.
+- Users: `default` is off, so a connection that has not authenticated can run nothing (NOAUTH).
+  `APP_USER` may run every command redserve and Celery use (streams, pub/sub, hashes, lists, sets,
+  strings, EVAL/EVALSHA/SCRIPT LOAD, SELECT, CLIENT SETNAME/ID/INFO, INFO, PING, ...) on every key and
+  channel, but no command in the server's ``@dangerous`` category except INFO (CONFIG, MODULE, DEBUG,
+  FLUSHALL, FLUSHDB, SHUTDOWN, ACL, REPLICAOF/SLAVEOF, MIGRATE, SAVE/BGSAVE, KEYS, SORT, MONITOR,
+  CLIENT KILL/LIST/PAUSE, RESTORE, ...), nor SCRIPT KILL/FLUSH, FUNCTION or any ACL subcommand: it can
+  neither reconfigure nor wipe the server. `ADMIN_USER` may run everything (operators, and
+  `EmbeddedRedis`'s own SHUTDOWN) except DEBUG and MODULE, which the server's defaults
+  (``enable-debug-command no``, ``enable-module-command no``) keep off for every user.
+- Needs Redis >= 7.0 or Valkey (subcommand rules such as ``-script|flush``).
+- Limits: ``maxmemory`` (default 1gb) with ``maxmemory-policy noeviction``: a full Redis refuses writes
+  with an OOM error instead of silently evicting streams, heartbeats or batch items.
+  ``client-output-buffer-limit pubsub 256mb 64mb 60``: an output subscriber (an API process) may fall
+  256 MB behind the engines' output, or 64 MB for a minute, before Redis disconnects it (its listener
+  then notices the loss and fails its requests); the stock limit (32mb 8mb 60) is too tight at full
+  token rate with many clients.
+- No persistence (``save ""``, ``appendonly no``); 127.0.0.1 only, ``protected-mode yes``; with a unix
+  socket the TCP port is 0 and the socket is 0700.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+APP_USER = "redserve"
+ADMIN_USER = "admin"
+DEFAULT_MAXMEMORY = "1gb"
+PUBSUB_OUTPUT_BUFFER_LIMIT = "256mb 64mb 60"
+
+APP_USER_RULES = "~* &* +@all -@dangerous +info -script|kill -script|flush -function -acl"
+"""The application user's command and key rules (ACL SETUSER syntax, after its password)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `render` writes; `port` 0 with `unix_socket` set listens only on that socket."""
+
+    port: int
+    directory: str
+    logfile: str
+    app_password: str
+    admin_password: str
+    unix_socket: str | None = None
+    maxmemory: str = DEFAULT_MAXMEMORY
+    proc_title: str | None = "redserve-redis {listen-addr}"
+
+    def __post_init__(self) -> None:
+        for password in (self.app_password, self.admin_password):
+            if not password or any(c.isspace() or c in "\"'\\" for c in password):
+                raise ValueError("Redis passwords must be non-empty, without spaces, quotes or backslashes")
+
+
+def render(config: ServerConfig) -> str:
+    """The text of the server's config file."""
+    lines = [
+        f"port {config.port}",
+        "bind 127.0.0.1",
+        "protected-mode yes",
+        "daemonize no",
+        'save ""',
+        "appendonly no",
+        f'dir "{config.directory}"',
+        f'logfile "{config.logfile}"',
+        f"maxmemory {config.maxmemory}",
+        "maxmemory-policy noeviction",
+        f"client-output-buffer-limit pubsub {PUBSUB_OUTPUT_BUFFER_LIMIT}",
+        "user default off resetpass resetkeys resetchannels -@all",
+        f"user {APP_USER} on >{config.app_password} {APP_USER_RULES}",
+        f"user {ADMIN_USER} on >{config.admin_password} ~* &* +@all",
+    ]
+    if config.unix_socket:
+        lines += [f'unixsocket "{config.unix_socket}"', "unixsocketperm 700"]
+    if config.proc_title:
+        lines.append(f'proc-title-template "{config.proc_title}"')
+    return "\n".join(lines) + "\n"

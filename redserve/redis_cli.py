@@ -1,0 +1,51 @@
+"""``redserve redis-cli``: plain `redis-cli` on the stack's Redis, authenticated, with no secret on argv.
+
+Rules:
+- The Redis URL comes from ``--redis-url``, else ``$REDSERVE_REDIS_URL``, else the running ``redserve
+  serve``'s stack file (`redserve.stack_state`); ``--admin`` takes the stack's admin URL instead (the
+  embedded server's operator user, which may run CONFIG, FLUSHDB, SHUTDOWN, ...).
+- The password reaches redis-cli in ``REDISCLI_AUTH`` (`broker.redis_server.redis_cli_invocation`), never
+  on its command line; everything after the options is passed to redis-cli as is (a command, or nothing
+  for its prompt). The process is replaced by redis-cli (exec), so its exit code is redis-cli's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=os.environ.get("REDSERVE_REDIS_URL"),
+                        help="Redis URL (default: $REDSERVE_REDIS_URL, else the running `redserve serve`)")
+    parser.add_argument("--admin", action="store_true",
+                        help="connect as the embedded Redis's admin user (from the running `redserve serve`)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="a redis-cli command and its arguments")
+
+
+def resolve_url(args: argparse.Namespace) -> str:
+    """The URL to connect to, by the module's precedence; SystemExit with the reason when there is none."""
+    from redserve.stack_state import read_stack_state
+
+    if args.admin:
+        stack = read_stack_state()
+        if stack is None or not stack.admin_redis_url:
+            sys.exit("redserve redis-cli --admin: no running `redserve serve` with an embedded Redis on this "
+                     "machine (the admin user exists only there)")
+        return stack.admin_redis_url
+    if args.redis_url:
+        return args.redis_url
+    stack = read_stack_state()
+    if stack is None:
+        sys.exit("redserve redis-cli: pass --redis-url (or set REDSERVE_REDIS_URL): no running `redserve serve` "
+                 "found on this machine")
+    return stack.redis_url
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from broker.redis_server import redis_cli_invocation
+
+    argv, extra_env = redis_cli_invocation(resolve_url(args))
+    os.execve(argv[0], [*argv, *args.args], {**os.environ, **extra_env})
+    return 1  # not reached
