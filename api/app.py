@@ -35,7 +35,7 @@ from api.generation import ClientDisconnected
 from api.log_safety import printable
 from api.metrics import EngineStatsCollector, render_metrics
 from api.protocol import Body, parse_messages
-from api.serving import check_model, prompt_token_ids
+from api.serving import check_model, check_prompt_chars, prompt_token_ids
 from api.state import ApiState, disconnect_probe
 from broker.errors import BrokerError
 from broker.log_limits import warn_every
@@ -103,16 +103,18 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
     def tokenize() -> Response:
         body = Body(_json_body())
         check_model(state, body.get("model", "str"))
+        max_model_len = _max_model_len(state)
         if body.has("messages"):
-            text = _render_chat(state, body)
-            ids = state.tokenizer.encode(text, add_special_tokens=body.get("add_special_tokens", "bool", False))
+            text, special = _render_chat(state, body), body.get("add_special_tokens", "bool", False)
         else:
-            prompt = body.get("prompt", "str")
-            if prompt is None:
+            text, special = body.get("prompt", "str"), body.get("add_special_tokens", "bool", True)
+            if text is None:
                 raise bad_request("give 'prompt' (a string) or 'messages'", param="prompt")
-            ids = state.tokenizer.encode(prompt, add_special_tokens=body.get("add_special_tokens", "bool", True))
+        if max_model_len is not None:
+            check_prompt_chars(state, text, max_model_len)  # a 10 MB text is refused, not tokenized
+        ids = state.tokenizer.encode(text, add_special_tokens=special)
         strs = state.tokenizer.token_strings(ids) if body.get("return_token_strs", "bool", False) else None
-        return jsonify({"count": len(ids), "max_model_len": _max_model_len(state), "tokens": ids,
+        return jsonify({"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
                         "token_strs": strs})
 
     @app.post("/detokenize")

@@ -4,6 +4,7 @@ Rules:
 - Unknown fields are ignored (the OpenAI SDK sends extras); a known field of the wrong type, or a
   value out of range, is an `ApiError` 400 naming the field (`param`). JSON null means "default".
 - Integers must be JSON integers (not booleans, not 1.0); numbers may be integers or floats.
+- Strings must be Unicode text: a lone surrogate ("\\ud800", valid JSON) anywhere in the body is a 400.
 - vLLM's extra sampling fields are accepted: top_k, min_p, repetition_penalty, ignore_eos,
   min_tokens, stop_token_ids, seed, include_stop_str_in_output, skip_special_tokens; and vLLM's
   `return_tokens_as_token_ids` (logprob tokens written "token_id:N").
@@ -92,6 +93,7 @@ class Body:
     def __init__(self, data: Any) -> None:
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object")
+        _reject_lone_surrogates(data)
         self.data = data
 
     def has(self, name: str) -> bool:
@@ -105,6 +107,27 @@ class Body:
         if not check(value):
             raise bad_request(f"'{name}' must be {what}, got {type(value).__name__}", param=name)
         return value
+
+
+def _reject_lone_surrogates(data: dict[str, Any]) -> None:
+    """ApiError 400 naming the top-level field if any string in it (keys too) holds a lone UTF-16
+    surrogate: valid JSON ("\\ud800"), but not text the tokenizer or a UTF-8 response can carry."""
+    for name, value in data.items():
+        pending = [name, value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                if not item.isascii():
+                    try:
+                        item.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise bad_request(f"'{name}' is not valid Unicode text: it holds a lone surrogate",
+                                          param=name if name.isascii() else None) from None
+            elif isinstance(item, list):
+                pending.extend(item)
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
 
 
 @dataclass

@@ -52,6 +52,17 @@ def token_namer(state: ApiState, as_ids: bool) -> Callable[[int], str]:
     return (lambda token_id: f"token_id:{token_id}") if as_ids else state.tokenizer.token_text
 
 
+def check_prompt_chars(state: ApiState, text: str, max_model_len: int, param: str = "prompt") -> None:
+    """ApiError 400 if `text` has more characters than `max_model_len` tokens can hold (`api.prompt_bound`),
+    decided without tokenizing it."""
+    if state.prompt_bound.too_long(text, max_model_len):
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{len(text)} characters, more than {max_model_len} tokens can hold (at most "
+            f"{state.prompt_bound.max_chars(max_model_len)}). Please reduce the length of the prompt.",
+            param=param, code="context_length_exceeded")
+
+
 def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_tokens: bool = True,
                      max_model_len: int | None = None) -> list[int]:
     """Tokenize a text prompt, or check a token-id prompt against the vocabulary (ApiError 400).
@@ -59,12 +70,8 @@ def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_token
     With `max_model_len`, a text that cannot fit it is refused before tokenizing (`api.prompt_bound`).
     """
     if isinstance(prompt, str):
-        if max_model_len is not None and state.prompt_bound.too_long(prompt, max_model_len):
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-                f"{len(prompt)} characters, more than {max_model_len} tokens can hold (at most "
-                f"{state.prompt_bound.max_chars(max_model_len)}). Please reduce the length of the prompt.",
-                param="prompt", code="context_length_exceeded")
+        if max_model_len is not None:
+            check_prompt_chars(state, prompt, max_model_len)
         ids = state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         vocab = state.tokenizer.vocab_size
@@ -123,7 +130,7 @@ class Slots:
 def admit(state: ApiState, num_prompts: int, n: int) -> Slots:
     """Take prompts x n in-flight slots before any other work (ApiError 400: the request can never fit;
     429 + Retry-After: this process or every engine is full; 503: the broker is unavailable)."""
-    limit, wanted = state.limiter.limit, num_prompts
+    limit, wanted = state.limiter.limit, num_prompts * n
     if wanted > limit:
         raise bad_request(f"this request asks for {num_prompts} prompt(s) x n={n} = {wanted} sequences; at most "
                           f"{limit} per request on this server", param="prompt" if num_prompts > limit else "n")

@@ -4,6 +4,9 @@ Prints output tokens/s for N prompts of IN tokens in / OUT tokens out (ignore_eo
 output token at batch 1, all in one run so the figures compare as ratios.
 
     python benchmarks/bench_offline.py [--model DIR] [--num-prompts 64] [--input-len 128] [--output-len 128]
+
+Every figure is measured on the engine's device (CUDA when present): the transformers baseline and the
+matmul-only forward run there too, and the device is synchronised before each timer is read.
 """
 
 from __future__ import annotations
@@ -22,23 +25,35 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so a timer read after it covers that work (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def bench_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    device = torch.device(llm.config.device)
+    synchronize(device)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
+    synchronize(device)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == out_len for o in outputs)
     return elapsed
 
 
-def bench_transformers(model_dir: str, dtype: torch.dtype, prompts: list[list[int]], out_len: int) -> float:
+def bench_transformers(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
+                       out_len: int) -> float:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    ids = torch.tensor(prompts, device=device)
     with torch.inference_mode():
+        synchronize(device)
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len,
                        do_sample=False, pad_token_id=0)
+        synchronize(device)
         return time.perf_counter() - start
 
 
@@ -47,14 +62,17 @@ def bench_matmul_only(llm: LLM, batch: int, steps: int) -> float:
     model = llm.engine.executor.runner.model
     weights = [m.weight for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
                and m is not model.embed_tokens]
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    device = weights[0].device
     with torch.inference_mode():
         for w in weights:
             x[w.shape[1]] @ w.t()
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
             for w in weights:
                 x[w.shape[1]] @ w.t()
+        synchronize(device)
         return time.perf_counter() - start
 
 
@@ -67,10 +85,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP size (transformers runs TP 1)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (transformers runs there too)")
     args = parser.parse_args()
     model_dir = str(args.model or ensure_default_model())
     dtype = getattr(torch, args.dtype)
-    llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    device = torch.device(llm.config.device)
     vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     total = args.num_prompts * args.output_len
@@ -85,11 +105,11 @@ def main() -> None:
         rows.append((f"matmul-only decode, batch {args.num_prompts}", total / tm, tm / args.output_len * 1e3))
     llm.shutdown()
     if not args.skip_transformers:
-        th = bench_transformers(model_dir, dtype, prompts, args.output_len)
+        th = bench_transformers(model_dir, dtype, device, prompts, args.output_len)
         rows.append((f"transformers generate, batch {args.num_prompts}", total / th, th / args.output_len * 1e3))
-        th1 = bench_transformers(model_dir, dtype, prompts[:1], args.output_len)
+        th1 = bench_transformers(model_dir, dtype, device, prompts[:1], args.output_len)
         rows.append(("transformers generate, batch 1", args.output_len / th1, th1 / args.output_len * 1e3))
-    print(f"model={model_dir} dtype={args.dtype} tp={args.tensor_parallel_size} prompts={args.num_prompts} in={args.input_len} "
+    print(f"model={model_dir} device={device} dtype={args.dtype} tp={args.tensor_parallel_size} prompts={args.num_prompts} in={args.input_len} "
           f"out={args.output_len} threads={torch.get_num_threads()}")
     print(f"{'what':44s} {'out tok/s':>10s} {'ms/step':>9s}")
     for name, tps, ms in rows:

@@ -217,6 +217,11 @@ class EmbeddedRedis:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The server's exit code once `running` has seen it exit (negative: killed by that signal)."""
+        return self._proc.returncode if self._proc is not None else None
+
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING; a no-op if already running."""
         if self.running:

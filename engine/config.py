@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from broker.model_source import resolve_model_dir
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -23,6 +25,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 class EngineConfig:
     """Everything an engine (and its workers) needs to know to run one model.
 
+    ``model`` is an HF directory or a GGUF file (converted once, see ``broker.model_source``).
     ``max_model_len`` None means the model's ``max_position_embeddings``. ``kv_cache_memory`` is the KV
     budget in bytes on CPU (default 1 GiB, or ``REDSERVE_CPU_KV_CACHE_BYTES``); on CUDA the budget is
     ``gpu_memory_utilization`` of the device minus what the weights and activations take.
@@ -44,6 +47,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        self.model = resolve_model_dir(self.model)  # a GGUF file: its converted HF directory (cached)
         path = Path(self.model)
         if not path.is_dir():
             raise ValueError(f"model directory not found: {self.model}")

@@ -38,9 +38,9 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, dp_rank: int = 0):
         self.config = config
-        self.executor = executor or make_executor(config)
+        self.executor = executor or make_executor(config, dp_rank)
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.max_model_len = self._usable_model_len(self.executor.max_model_len)
         self.vocab_size = self.executor.vocab_size

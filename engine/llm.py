@@ -1,4 +1,4 @@
-"""Offline inference, vLLM-style: ``LLM(model=DIR).generate(prompts, SamplingParams(...))``."""
+"""Offline inference, vLLM-style: ``LLM(model=DIR_OR_GGUF).generate(prompts, SamplingParams(...))``."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class LLM:
                  **engine_kwargs):
         self.config = EngineConfig(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                                    seed=seed, **engine_kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)  # a GGUF's converted dir
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 

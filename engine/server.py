@@ -124,7 +124,7 @@ class EngineServer:
         heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl,
                                     on_declared_dead=lambda: self.input_queue.put((_REJOIN, None))).start()
         try:
-            self.core = EngineCore(self.config)
+            self.core = EngineCore(self.config, dp_rank=self.dp_rank)
         except Exception:
             logger.exception("engine %s failed to start", self.engine_id)
             heartbeat.stop()

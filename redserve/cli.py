@@ -13,7 +13,8 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     env = os.environ.get  # REDSERVE_<FLAG> environment defaults (docker-compose.yml sets them)
     g.add_argument("--model", default=env("REDSERVE_MODEL"),
-                   help="Hugging Face model directory (default: $REDSERVE_MODEL, else the tiny test model)")
+                   help="Hugging Face model directory or GGUF file (converted once, cached under "
+                        "$REDSERVE_CACHE_DIR/gguf; default: $REDSERVE_MODEL, else the tiny test model)")
     g.add_argument("--dtype", default=env("REDSERVE_DTYPE", "auto"),
                    choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=env("REDSERVE_DEVICE", "auto"), help="auto, cpu or cuda")
@@ -47,7 +48,12 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def resolve_model(args: argparse.Namespace) -> None:
-    if args.model is None:
+    """Fill in the tiny test model when no --model is given; convert a GGUF --model now (in a child
+    process, so `serve` stays torch-free) so the engines and API workers started next find it cached.
+    ``args.model`` keeps the GGUF path: it is the served name and every process resolves it alike."""
+    if args.model is not None:
+        _convert_gguf_before_fork(args)
+    else:
         from engine.tiny_model import default_model_dir, ensure_default_model
         logging.getLogger("redserve").warning(
             "no --model given: serving the tiny test model (random weights) at %s", default_model_dir())
@@ -90,6 +96,7 @@ def cmd_redis_cli(args: argparse.Namespace) -> int:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from api.batch.cli import run_batch
+    _convert_gguf_before_fork(args)
     return run_batch(args)
 
 
@@ -100,7 +107,19 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_api(args: argparse.Namespace) -> int:
     from api.server import run_api
+    _convert_gguf_before_fork(args)
     return run_api(args)
+
+
+def _convert_gguf_before_fork(args: argparse.Namespace) -> None:
+    """A GGUF --model is converted once here (in a child process), not in every forked worker."""
+    from broker.model_source import is_gguf, resolve_model_dir
+    model = getattr(args, "model", None)
+    if model and is_gguf(model):
+        try:
+            resolve_model_dir(model, in_subprocess=True)
+        except ValueError as e:
+            sys.exit(f"redserve {args.command}: {e}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

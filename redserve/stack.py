@@ -10,6 +10,10 @@ Rules:
   seconds) stops the stack, with exit code 1. Restarts are counted in the Redis hash
   ``{prefix}:stack:restarts`` (child name -> count; cleared at start), which the API exports in /metrics
   as ``redserve_child_restarts_total{child}``.
+- The embedded Redis is watched too (`RedisWatch`): when it dies it is started again on the same port with
+  the same passwords, under the same backoff and crash-loop rule, and counted as child ``redis``. Its data
+  is gone (no persistence): engines re-register on their next heartbeat, clients resubscribe, and the
+  launcher writes every restart count back, so the counters in /metrics never go down.
 - Ctrl-C / SIGTERM stops the API and the batch worker first, then the engines (they drain), then the
   coordinator, then Redis, each child within a deadline (`STOP_TIMEOUTS`; engines: drain timeout + 10 s)
   after which it is named in the log and SIGKILLed with its process group. A second Ctrl-C / SIGTERM
@@ -20,6 +24,8 @@ Rules:
 - While it runs, `redserve.stack_state` records its Redis URL so ``redserve batch`` commands find it.
 - DP engines on this one node share its cores: each gets ``OMP_NUM_THREADS`` = cores / DP size (unless
   the variable is set already), so N engines do not run N x cores torch threads on the same cores.
+- On CUDA, engine r gets its own GPUs r*TP .. r*TP+TP-1 through ``CUDA_VISIBLE_DEVICES`` (picked from the
+  user's list when set; `redserve.devices`); too few GPUs for DP x TP is an error before anything starts.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import signal
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 
 import redis
 
@@ -38,9 +45,10 @@ from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
 from redserve.cli import resolve_model
+from redserve.devices import engine_device_env
 from redserve.proctitle import set_title
 from redserve.stack_state import StackState, remove_stack_state, write_stack_state
-from redserve.supervisor import ChildSpec, CrashLoop, RestartPolicy, Supervisor
+from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supervisor, describe_exit
 
 logger = logging.getLogger("redserve.stack")
 
@@ -70,17 +78,60 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     return RestartPolicy(max_restarts=args.max_restarts, restart_window=args.restart_window)
 
 
+class RedisWatch:
+    """Restarts the embedded Redis when it dies, under the supervisor's backoff and crash-loop rule.
+
+    Rules:
+    - `check` (main thread: PR_SET_PDEATHSIG) notices the death, logs it and plans the restart with
+      `Supervisor.plan_restart` (which raises `CrashLoop`); once the backoff is over it starts the server
+      again with `EmbeddedRedis.restart` (same port, same passwords) and calls `on_restart("redis")`.
+    - A restart that fails (the port was taken meanwhile) counts as another death.
+    """
+
+    NAME = "redis"
+
+    def __init__(self, server: EmbeddedRedis, supervisor: Supervisor, on_restart: Callable[[str], None]) -> None:
+        self.server = server
+        self.supervisor = supervisor
+        self.on_restart = on_restart
+        self.record = Child(ChildSpec(self.NAME, [], {}, 0.0), started_at=time.monotonic())
+
+    def check(self) -> None:
+        now, record = time.monotonic(), self.record
+        if record.restart_at is None:
+            if not self.server.running:
+                code = self.server.returncode or 0
+                logger.error("the embedded Redis (pid %s) %s: its data is lost", self.server.pid, describe_exit(code))
+                self.supervisor.plan_restart(record, code, now)
+        elif now >= record.restart_at:
+            record.restarts.append(now)
+            record.restart_at = None
+            record.started_at = now
+            try:
+                self.server.restart()
+            except RuntimeError as e:
+                logger.error("could not restart the embedded Redis: %s", e)
+                self.supervisor.plan_restart(record, 1, time.monotonic())
+                return
+            logger.warning("restarted the embedded Redis (pid %d, same port and passwords; restart %d within "
+                           "%.0f s)", self.server.pid, len(record.restarts), self.supervisor.policy.restart_window)
+            self.on_restart(self.NAME)
+
+
 class Stack:
     """The processes of one ``redserve serve``; see the module rules."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.engine_devices = _engine_device_envs(args)
         self.keys = RedisKeys(args.key_prefix)
         self.redis: EmbeddedRedis | None = None
         self.supervisor = Supervisor(restart_policy(args), on_restart=self._count_restart)
         self.stopping = False
         self.ready = False
+        self.restart_counts: dict[str, int] = {}
         self._counter: redis.Redis | None = None
+        self._redis_watch: RedisWatch | None = None
 
     def start(self) -> None:
         args = self.args
@@ -88,6 +139,7 @@ class Stack:
         if not args.redis_url:
             self.redis = EmbeddedRedis().start()
             args.redis_url = self.redis.url
+            self._redis_watch = RedisWatch(self.redis, self.supervisor, self._count_restart)
             logger.info("started embedded Redis at %s (inspect it with `redserve redis-cli`)", mask_url(args.redis_url))
         self._counter = connect(args.redis_url, retries=1, socket_timeout=2.0, client_name="redserve-serve")
         self._reset_restart_counts()
@@ -97,7 +149,7 @@ class Stack:
         for rank in range(args.data_parallel_size):
             self._start(f"engine-{rank}", _cli(*log, "engine", "--model", args.model, "--dp-rank", str(rank), *prefix,
                                               *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES)),
-                        self._engine_env(), stop_timeout=ENGINE_DRAIN_TIMEOUT + 10)
+                        self._engine_env(rank), stop_timeout=ENGINE_DRAIN_TIMEOUT + 10)
         api = ["api", "--model", args.model, "--host", args.host, "--port", str(args.port),
                "--workers", str(args.api_workers), "--max-queued-requests", str(args.max_queued_requests)]
         if args.served_model_name:
@@ -117,9 +169,9 @@ class Stack:
         timeout = stop_timeout if stop_timeout is not None else STOP_TIMEOUTS[name]
         self.supervisor.start(ChildSpec(name, argv, full_env, timeout))
 
-    def _engine_env(self) -> dict[str, str]:
+    def _engine_env(self, rank: int) -> dict[str, str]:
         threads = str(max(1, (os.cpu_count() or 1) // self.args.data_parallel_size))
-        return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+        return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **self.engine_devices[rank]}
 
     def _reset_restart_counts(self) -> None:
         try:
@@ -128,8 +180,10 @@ class Stack:
             logger.warning("could not clear %s: %s", self.keys.stack_restarts(), e)
 
     def _count_restart(self, name: str) -> None:
+        """Count it; write every count (a restarted Redis has lost them all)."""
+        self.restart_counts[name] = self.restart_counts.get(name, 0) + 1
         try:
-            self._counter.hincrby(self.keys.stack_restarts(), name, 1)
+            self._counter.hset(self.keys.stack_restarts(), mapping=self.restart_counts)
         except redis.RedisError as e:
             logger.warning("could not count the restart of %s in Redis: %s", name, e)
 
@@ -137,6 +191,8 @@ class Stack:
         """Keep the children running until a stop is requested (0) or a child crash-loops (1)."""
         while not self.stopping:
             try:
+                if self._redis_watch is not None:
+                    self._redis_watch.check()
                 self.supervisor.check()
             except CrashLoop as e:
                 logger.error("%s", e)
@@ -173,6 +229,13 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
         logger.info("stack stopped")
+
+
+def _engine_device_envs(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Each DP engine's GPUs (`redserve.devices`); none when the engines run on the CPU."""
+    if getattr(args, "device", "auto") == "cpu":
+        return [{} for _ in range(args.data_parallel_size)]
+    return [engine_device_env(rank, args.tensor_parallel_size) for rank in range(args.data_parallel_size)]
 
 
 def run_stack(args: argparse.Namespace) -> int:

@@ -184,10 +184,16 @@ class Supervisor:
         return code
 
     def _on_death(self, child: Child, now: float) -> None:
-        uptime = now - child.started_at
         code = self._reap(child)
-        if self._stopping:
-            return
+        if not self._stopping:
+            self.plan_restart(child, code, now)
+
+    def plan_restart(self, child: Child, code: int, now: float) -> None:
+        """Set the restart time of a child that died with `code`, or raise `CrashLoop`; see the module rules.
+
+        Also for a process that the caller starts itself (the embedded Redis): `child` is then only its record.
+        """
+        uptime = now - child.started_at
         policy = self.policy
         if uptime >= policy.stable_after:
             child.attempt = 0

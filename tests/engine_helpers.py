@@ -1,13 +1,16 @@
 """Shared helpers for the engine tests (test_engine_core, test_engine_limits, test_engine_models): the
 tiny-model prompts and sampling params, an LLM factory, the transformers reference and step recorders.
 
-The fixtures `model_dir` (llama and qwen2) and `llama_dir` are in conftest.py.
+The fixtures `model_dir` (llama and qwen2) and `llama_dir` are in conftest.py. The engine runs on its
+default device (CUDA when present); the transformers reference always runs on the CPU, and recorded
+logits are moved to the CPU, so comparisons never mix devices.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +20,17 @@ from engine.core import EngineCore
 BLOCK = 16
 MAX_TOKENS = 12
 VOCAB = 1024
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def requires_devices(n: int) -> pytest.MarkDecorator:
+    """Skip when the engine would run on CUDA (the default when present) with fewer than ``n`` GPUs;
+    on the CPU every TP size runs (gloo)."""
+    count = cuda_device_count()
+    return pytest.mark.skipif(0 < count < n, reason=f"needs {n} CUDA devices, {count} present")
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
@@ -90,7 +104,7 @@ class LogitsRecorder:
 
         def sampler(logits, batch):
             assert logits.shape[0] == len(self._states)
-            self.rows.extend((rid, ctx, row.detach().float().clone())
+            self.rows.extend((rid, ctx, row.detach().to("cpu", torch.float32, copy=True))
                              for (rid, ctx), row in zip(self._states, logits, strict=True))
             return sample(logits, batch)
 

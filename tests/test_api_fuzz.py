@@ -16,13 +16,14 @@ import pytest
 import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from broker.messages import AddRequest, RequestOutput
 from test_api_fake_broker import FakeClient, make_app, sse_events, tokenizer  # noqa: F401 - fixture
 
+from broker.messages import AddRequest, RequestOutput
+
 HUGE = [2**63, 2**63 - 1, -(2**63) - 1, 2**64, 10**30, -1, 0, 1, 128, 129, 2048, 4096]
+SURROGATES = st.sampled_from(["\ud800", "a\udfff b", "\udbff\udc00"])  # JSON escapes: lone ones (400), a pair
 JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.sampled_from(HUGE) | st.floats(
-    allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+    allow_nan=False, allow_infinity=False) | st.text(max_size=8) | SURROGATES
 JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
 
@@ -31,7 +32,7 @@ NUMBERS = INTS | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_f
 TOKEN_IDS = st.lists(st.sampled_from([0, 1, 2, 10, 500, 1023, 1024, 2**63, -1]), max_size=4)
 TEXTS = st.text(max_size=30)
 STOPS = st.text(max_size=6) | st.lists(st.text(max_size=6), max_size=20)
-PROMPTS = (TEXTS | st.lists(st.text(max_size=10), max_size=5) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3)
+PROMPTS = (TEXTS | SURROGATES | st.lists(st.text(max_size=10), max_size=5) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3)
            | st.lists(st.lists(st.text(max_size=3), max_size=2), max_size=2))
 ROLES = st.sampled_from(["user", "system", "assistant"])
 PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=5)}),
@@ -176,6 +177,10 @@ EDGE_CASES = [
     ("/v1/chat/completions", {"messages": [[]]}, 400),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2**63, "logprobs": True}, 400),
     ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"messages": 1}}, 400),
+    ("/v1/completions", {"prompt": "\ud800"}, 400),
+    ("/v1/completions", {"prompt": "a\udfff", "echo": True, "stream": True}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400),
+    ("/tokenize", {"prompt": "\ud800"}, 400),
 ]
 
 
@@ -186,7 +191,8 @@ def test_edge_cases_over_the_fake_broker(fuzz_http, route, body, status) -> None
     assert response.status_code == status, response.get_json()
 
 
-WORST = [case for case in EDGE_CASES if case[1].get("min_tokens") or case[2] == 200 or "seed" in case[1]]
+WORST = [case for case in EDGE_CASES
+         if case[1].get("min_tokens") or case[2] == 200 or "seed" in case[1] or "\\ud800" in json.dumps(case[1])]
 
 
 @pytest.mark.parametrize(("route", "body", "status"), WORST)

@@ -26,7 +26,7 @@ from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
 from broker.errors import EngineOverloaded
 from broker.keys import RedisKeys
-from broker.messages import AbortRequests, AddRequest, RequestOutput, decode, encode
+from broker.messages import AbortRequests, AddRequest, RequestOutput, decode
 from broker.registry import EngineHeartbeat, EngineRegistry
 from broker.sampling_params import API_ONLY_FIELDS, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
@@ -73,6 +73,8 @@ class CountingEncoder:
     ("/v1/completions", {"prompt": TEN_MB, "max_tokens": 4}),
     ("/v1/completions", {"prompt": ["short", TEN_MB], "max_tokens": 4}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": TEN_MB}], "max_tokens": 4}),
+    ("/tokenize", {"prompt": TEN_MB}),
+    ("/tokenize", {"messages": [{"role": "user", "content": TEN_MB}]}),
 ])
 def test_a_10mb_prompt_is_refused_without_tokenizing(http, tokenizer, monkeypatch, route, body) -> None:  # noqa: F811
     state = http.application.extensions["redserve"]
@@ -119,22 +121,26 @@ def test_stop_sizes_are_capped(http, field, value, status) -> None:
 
 # ----------------------------------------------------------------------------------------- in-flight slots
 
-def hold_n3(add: AddRequest) -> list[RequestOutput | None]:
-    """Requests with n=3 give one token each and then hang (they hold their slots); others finish."""
-    if add.params["n"] == 3:
-        return [RequestOutput(add.request_id, i, [10]) for i in range(3)] + [None]
+HOLD = 99  # max_tokens of the request that holds its slots
+
+
+def hold(add: AddRequest) -> list[RequestOutput | None]:
+    """A request with max_tokens HOLD gives one token per sequence, then hangs (holding its slots); others finish."""
+    if add.params["max_tokens"] == HOLD:
+        return [RequestOutput(add.request_id, i, [10]) for i in range(add.params["n"])] + [None]
     return token_script([10, 11])(add)
 
 
 def test_prompts_times_n_count_against_the_in_flight_limit(tiny_llama_dir, tokenizer) -> None:  # noqa: F811
-    client = FakeClient(hold_n3)
+    client = FakeClient(hold)
     http = make_app(tiny_llama_dir, tokenizer, client, max_queued_requests=4)
     too_many_n = http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3})
     assert too_many_n.status_code == 400 and error_of(too_many_n)["param"] == "n"
     too_many_prompts = http.post("/v1/completions", json={"prompt": ["a"] * 5})
     assert too_many_prompts.status_code == 400 and error_of(too_many_prompts)["param"] == "prompt"
     assert http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2}).status_code == 200
-    held = http.post("/v1/completions", json={"prompt": "x", "n": 3, "stream": True}, buffered=False)
+    held = http.post("/v1/completions", json={"prompt": "x", "n": 3, "max_tokens": HOLD, "stream": True},
+                     buffered=False)
     assert held.status_code == 200  # 3 of 4 slots taken until it ends
     busy = http.post("/v1/chat/completions", json={"messages": USER, "n": 2})
     assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
@@ -235,7 +241,8 @@ def test_a_full_request_stream_fails_fast_and_drops_nothing(redis_url, redis_key
 
 
 def test_engine_waiting_counts_from_redis_give_429(tiny_llama_dir, redis_url, redis_keys, idle_engine) -> None:
-    http = real_app(tiny_llama_dir, redis_url, redis_keys, max_engine_waiting=50, max_engine_backlog=1)
+    http = real_app(tiny_llama_dir, redis_url, redis_keys, max_engine_waiting=50, max_engine_backlog=1,
+                    request_timeout=2.0)  # a request sent by mistake ends (504) instead of hanging the test
     try:
         idle_engine.update_stats("0", {"waiting": 50, "running": 256})
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -274,3 +281,21 @@ def test_limits_through_the_real_server(api_stack) -> None:
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "stop_token_ids"
     many = post("/v1/completions", {"prompt": ["a", "b"], "n": 64, "max_tokens": 1})  # 128 > 64 slots
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+
+
+# ----------------------------------------------------------------------------------------- gunicorn threads
+
+def test_threads_default_to_the_limit_plus_a_reserve(tiny_llama_dir, capsys) -> None:
+    import argparse
+
+    from api.options import THREAD_RESERVE, add_api_arguments
+    from api.server import run_api, worker_threads
+
+    parser = argparse.ArgumentParser()
+    add_api_arguments(parser)
+    base = ["--model", tiny_llama_dir, "--redis-url", "redis://127.0.0.1:1/0"]
+    assert worker_threads(parser.parse_args(base)) == 64 + THREAD_RESERVE
+    assert worker_threads(parser.parse_args([*base, "--max-concurrent-streams", "4"])) == 4 + THREAD_RESERVE
+    assert worker_threads(parser.parse_args([*base, "--max-queued-requests", "8", "--threads", "9"])) == 9
+    assert run_api(parser.parse_args([*base, "--max-concurrent-streams", "8", "--threads", "8"])) == 2
+    assert "--threads (8) must exceed --max-concurrent-streams (8)" in capsys.readouterr().err

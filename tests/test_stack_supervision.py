@@ -6,10 +6,12 @@ Run with ``-s`` to see the fault matrix (fault, what clients saw, time to recove
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -23,10 +25,14 @@ import requests
 from redis.connection import parse_url
 from stack_procs import Procs, cli, free_port, title, wait_for
 
+from api.batch.store import BatchStore
+from broker.connection import connect
 from broker.keys import RedisKeys
+from broker.redis_server import EmbeddedRedis
 from redserve.cli import build_parser
+from redserve.stack import RedisWatch
 from redserve.stack import Stack as SupervisedStack
-from redserve.supervisor import ChildSpec, RestartPolicy, Supervisor, has_exited
+from redserve.supervisor import ChildSpec, CrashLoop, RestartPolicy, Supervisor, has_exited
 
 API_KEY = "sk-supervision-test-key"
 KEYS = RedisKeys()
@@ -62,9 +68,33 @@ def alive(pid: int) -> bool:
         return False
 
 
-def serve_argv(model: str, port: int, *extra: str) -> list[str]:
+def socket_owner(pids: list[int], server_port: int, client_port: int) -> int | None:
+    """Which of `pids` holds the server end of the loopback TCP connection from `client_port`."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if (int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)) == (server_port,
+                                                                                                 client_port):
+                    inodes.add(f"socket:[{cols[9]}]")
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def serve_argv(model: str, port: int, *extra: str, api_workers: int = 1, batch: bool = False) -> list[str]:
     return cli("--log-level", "INFO", "serve", "--model", model, "--dtype", "float32", "--port", str(port),
-               "--api-workers", "1", "--no-batch-worker", *extra)
+               "--api-workers", str(api_workers), *([] if batch else ["--no-batch-worker"]), *extra)
 
 
 @dataclass
@@ -78,12 +108,16 @@ class Stack:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
     def child(self, name: str) -> int:
         """Pid of the direct child titled ``redserve-<name>`` (waits for it)."""
         def find() -> int | None:
             for pid in children(self.pid):
                 try:
-                    if title(pid) == f"redserve-{name}":
+                    if title(pid).split(" ")[0] == f"redserve-{name}":
                         return pid
                 except OSError:
                     continue
@@ -98,11 +132,12 @@ class Stack:
         return self.procs.log("serve")
 
 
-def start_stack(model: str, tmp: Path, *extra: str) -> Stack:
+def start_stack(model: str, tmp: Path, *extra: str, api_workers: int = 1, batch: bool = False) -> Stack:
     state_dir = tmp / "state" / "redserve"
-    procs = Procs(tmp, env={"REDSERVE_STATE_DIR": str(state_dir)})
+    # a short visibility timeout: the chunks of a killed batch worker come back within the test
+    procs = Procs(tmp, env={"REDSERVE_STATE_DIR": str(state_dir), "REDSERVE_BATCH_VISIBILITY_TIMEOUT": "8"})
     port = free_port()
-    proc = procs.start("serve", serve_argv(model, port, *extra))
+    proc = procs.start("serve", serve_argv(model, port, *extra, api_workers=api_workers, batch=batch))
     return Stack(proc, procs, f"http://127.0.0.1:{port}", state_dir)
 
 
@@ -136,7 +171,8 @@ def fault_matrix() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tiny_llama_dir, tmp_path_factory.mktemp("supervised"), "--api-key", API_KEY)
+    s = start_stack(tiny_llama_dir, tmp_path_factory.mktemp("supervised"), "--api-key", API_KEY, api_workers=2,
+                    batch=True)
     try:
         wait_for(lambda: served(s), 120, "the stack to serve", interval=0.5, watch=(s.proc,))
         yield s
@@ -177,6 +213,27 @@ def test_backoff_doubles_to_its_cap_and_starts_over_after_a_stable_run() -> None
     assert backoffs == [0.5, 1.0, 2.0, 2.0, 0.5, 1.0]
 
 
+def test_redis_watch_restarts_on_the_same_url_and_stops_a_crash_loop() -> None:
+    policy = RestartPolicy(initial_backoff=0.01, max_backoff=0.01, max_restarts=1)
+    restarted: list[str] = []
+    with EmbeddedRedis() as server:
+        watch = RedisWatch(server, Supervisor(policy), restarted.append)
+        url = server.url
+        os.kill(server.pid, signal.SIGKILL)
+        wait_for(lambda: not server.running, 10, "Redis to die", interval=0.02)
+        wait_for(lambda: (watch.check(), restarted)[1], 10, "the restarted Redis", interval=0.02)
+        assert restarted == ["redis"] and server.running and server.url == url
+        client = redis.Redis.from_url(url)
+        try:
+            assert client.ping()  # same port, same passwords
+        finally:
+            client.close()
+        os.kill(server.pid, signal.SIGKILL)
+        wait_for(lambda: not server.running, 10, "Redis to die again", interval=0.02)
+        with pytest.raises(CrashLoop, match="redis was killed by SIGKILL"):
+            watch.check()
+
+
 def test_children_get_the_redis_url_and_api_key_through_the_environment(tmp_path: Path, monkeypatch) -> None:
     # The real children retitle themselves (setproctitle hides argv once they run), so check what is spawned.
     monkeypatch.setenv("REDSERVE_STATE_DIR", str(tmp_path))
@@ -187,6 +244,7 @@ def test_children_get_the_redis_url_and_api_key_through_the_environment(tmp_path
     stack.supervisor.start = specs.append
     stack.start()
     assert {s.name for s in specs} == {"coordinator", "engine-0", "api", "batch"}
+    assert stack._redis_watch is None  # an external Redis is not ours to restart
     for spec in specs:
         argv = " ".join(spec.argv)
         assert "redis-secret" not in argv and API_KEY not in argv and "--redis-url" not in argv, argv
@@ -194,11 +252,9 @@ def test_children_get_the_redis_url_and_api_key_through_the_environment(tmp_path
         assert (spec.env.get("REDSERVE_API_KEY") == API_KEY) == (spec.name == "api")
 
 
-def test_killed_engine_comes_back_and_unstarted_requests_survive(stack: Stack) -> None:
-    r = stack.redis()
-    engine = stack.child("engine-0")
-    old_incarnation = r.hget(KEYS.engine("0"), "incarnation")
-    # Requests that cannot start: the engine is frozen, so they sit un-started in its stream.
+def queue_unstarted(stack: Stack, r: redis.Redis, engine: int, n: int = 3) -> tuple[list[threading.Thread], list]:
+    """Freeze the engine and send `n` completions: they sit un-started in its stream. Returns the threads and
+    the list their results (status code or exception name) land in."""
     os.kill(engine, signal.SIGSTOP)
     results: list[int | str] = []
 
@@ -208,10 +264,18 @@ def test_killed_engine_comes_back_and_unstarted_requests_survive(stack: Stack) -
         except requests.RequestException as e:
             results.append(type(e).__name__)
 
-    threads = [threading.Thread(target=send) for _ in range(3)]
+    threads = [threading.Thread(target=send) for _ in range(n)]
     for t in threads:
         t.start()
-    wait_for(lambda: r.xlen(KEYS.request_stream("0")) >= 3, 20, "3 requests queued on the frozen engine")
+    wait_for(lambda: r.xlen(KEYS.request_stream("0")) >= n, 20, f"{n} requests queued on the frozen engine")
+    return threads, results
+
+
+def test_killed_engine_comes_back_and_unstarted_requests_survive(stack: Stack) -> None:
+    r = stack.redis()
+    engine = stack.child("engine-0")
+    old_incarnation = r.hget(KEYS.engine("0"), "incarnation")
+    threads, results = queue_unstarted(stack, r, engine)
     os.kill(engine, signal.SIGKILL)
     killed = time.monotonic()
     wait_for(lambda: r.hget(KEYS.engine("0"), "state") == b"ready"
@@ -257,6 +321,152 @@ def test_killed_api_master_is_restarted_and_serves(stack: Stack) -> None:
     MATRIX.append(("api master kill -9", f"during the gap: {saw}", f"{time.monotonic() - killed:.1f} s",
                    "in-flight HTTP requests cut; none queued"))
     assert 'redserve_child_restarts_total{child="api"} 1.0' in restarts(stack)
+
+
+@dataclass
+class LiveStream:
+    """One streamed completion, read to its end by a thread: outcome "completed", "broken: ..." or "open"."""
+
+    response: http.client.HTTPResponse
+    client_port: int
+    outcome: str = "open"
+
+    def read_to_end(self) -> None:
+        try:
+            errors = 0
+            while line := self.response.readline():
+                errors += line.startswith(b'data: {"error"')
+                if line.strip() == b"data: [DONE]":
+                    self.outcome = "error event" if errors else "completed"
+                    return
+            self.outcome = "broken: EOF"
+        except (http.client.HTTPException, OSError) as e:
+            self.outcome = f"broken: {type(e).__name__}"
+
+
+def two_workers(master: int, but: int | None = None) -> list[int] | None:
+    """The two live workers of the API master, if it has two and `but` is not one of them."""
+    workers = [pid for pid in children(master) if alive(pid)]
+    return workers if len(workers) == 2 and but not in workers else None
+
+
+def open_stream(stack: Stack, max_tokens: int) -> LiveStream:
+    """Start a streamed completion, wait for its first event (it is mid-stream then), read the rest in a thread."""
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    client_port = conn.sock.getsockname()[1]
+    response = conn.getresponse()
+    assert response.status == 200, response.read()[:500]
+    assert response.readline().startswith(b"data: ")
+    stream = LiveStream(response, client_port)
+    threading.Thread(target=stream.read_to_end, daemon=True).start()
+    return stream
+
+
+def test_killed_api_worker_cuts_only_its_streams(stack: Stack) -> None:
+    master = stack.child("api")
+    workers = wait_for(lambda: two_workers(master), 60, "two API workers")
+    engine = stack.child("engine-0")
+    streams: dict[int, list[LiveStream]] = {pid: [] for pid in workers}
+    try:
+        while not all(streams.values()):  # streams until each worker serves at least one
+            assert sum(map(len, streams.values())) < 16, "every stream went to the same API worker"
+            stream = open_stream(stack, max_tokens=1000)
+            owner = wait_for(lambda s=stream: socket_owner(workers, stack.port, s.client_port), 10,
+                             "the worker serving a stream", interval=0.02)
+            streams[owner].append(stream)
+        os.kill(engine, signal.SIGSTOP)  # every stream is now mid-stream and stays so until SIGCONT
+        assert all(s.outcome == "open" for ss in streams.values() for s in ss), "a stream ended too early"
+        victim, survivor = workers
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: all(s.outcome != "open" for s in streams[victim]), 30, "the victim's streams to break")
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    respawned = wait_for(lambda: two_workers(master, but=victim), 60, "gunicorn to respawn the worker")
+    wait_for(lambda: served(stack), 60, "a completion after the respawn")
+    recovered = time.monotonic() - killed
+    wait_for(lambda: all(s.outcome != "open" for s in streams[survivor]), 120, "the other worker's streams to end")
+    cut = sorted({s.outcome for s in streams[victim]})
+    MATRIX.append(("api worker kill -9 mid-stream",
+                   f"{len(streams[victim])} streams on it cut ({', '.join(cut)}); "
+                   f"{len(streams[survivor])} on the other worker completed",
+                   f"{recovered:.1f} s (worker respawned)", "its in-flight streams; none queued"))
+    assert all(s.outcome.startswith("broken") for s in streams[victim])
+    assert all(s.outcome == "completed" for s in streams[survivor])
+    assert stack.child("api") == master and survivor in respawned
+
+
+def completion_line(custom_id: str, max_tokens: int) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "tiny-llama", "prompt": f"Story {custom_id}:", "max_tokens": max_tokens,
+                                "temperature": 0, "ignore_eos": True}})
+
+
+def test_killed_batch_worker_is_restarted_and_its_batch_completes_once(stack: Stack, tmp_path: Path) -> None:
+    n = 40
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(completion_line(f"k{i}", 96) + "\n" for i in range(n)))
+    submit = subprocess.run(cli("batch", "submit", str(src), "--chunk-size", "5"), capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "REDSERVE_STATE_DIR": str(stack.state_dir)})
+    assert submit.returncode == 0, submit.stderr
+    batch_id = submit.stdout.split()[0]
+    store = BatchStore(connect(json.loads((stack.state_dir / "stack.json").read_text())["redis_url"]), KEYS)
+    try:
+        wait_for(lambda: store.info(batch_id).done >= 5, 120, "the first results", interval=0.05)
+        old = stack.child("batch")
+        os.kill(old, signal.SIGKILL)
+        killed = time.monotonic()
+        before = {r["custom_id"]: r for r in store.results(batch_id, n)}
+        assert len(before) < n, "the batch finished before the worker was killed: make the items longer"
+        wait_for(lambda: stack.child("batch") != old, 30, "a new batch worker")
+        wait_for(lambda: store.info(batch_id).status == "completed", 120, "the batch to complete",
+                 watch=(stack.proc,))
+        recovered = time.monotonic() - killed
+        info = store.info(batch_id)
+        results = list(store.results(batch_id, n))
+    finally:
+        store.redis.close()
+    MATRIX.append(("batch worker kill -9 (batch in flight)", f"{len(before)}/{n} items done at the kill; "
+                   f"then {info.completed} completed, {info.failed} failed", f"{recovered:.1f} s to batch completed",
+                   "0 (every item exactly once)"))
+    assert (info.total, info.completed, info.failed) == (n, n, 0)
+    assert [r["custom_id"] for r in results] == [f"k{i}" for i in range(n)]
+    assert all(r == before[r["custom_id"]] for r in results if r["custom_id"] in before)  # kept, not redone
+    assert 'redserve_child_restarts_total{child="batch"} 1.0' in restarts(stack)
+
+
+def test_killed_embedded_redis_is_restarted_and_the_stack_serves_again(stack: Stack) -> None:
+    r = stack.redis()
+    counts = {k.decode(): int(v) for k, v in r.hgetall(KEYS.stack_restarts()).items()}
+    engine = stack.child("engine-0")
+    threads, results = queue_unstarted(stack, r, engine)
+    r.close()
+    old = stack.child("redis")
+    try:
+        os.kill(old, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    saw = "200" if served(stack) else "errors"
+    new = wait_for(lambda: (pid := stack.child("redis")) != old and pid, 30, "a new Redis")
+    wait_for(lambda: served(stack), 90, "a completion after the Redis restart", interval=0.5, watch=(stack.proc,))
+    recovered = time.monotonic() - killed
+    for t in threads:
+        t.join(timeout=90)
+    assert len(results) == 3, "a request queued before the Redis kill never got an answer"
+    lost = sum(1 for code in results if code != 200)
+    MATRIX.append(("embedded Redis kill -9", f"queued requests: {sorted(map(str, results))}; completions during "
+                   f"the gap: {saw}", f"{recovered:.1f} s", f"{lost} of 3 (its data is gone)"))
+    metrics = restarts(stack)
+    assert 'redserve_child_restarts_total{child="redis"} 1.0' in metrics
+    for name, count in counts.items():  # written back: counters never go down
+        assert f'redserve_child_restarts_total{{child="{name}"}} {float(count)}' in metrics
+    assert f"the embedded Redis (pid {old}) was killed by SIGKILL" in stack.log()
+    assert f"restarted the embedded Redis (pid {new}" in stack.log()
 
 
 def test_sigint_stops_every_process_within_a_bound(stack: Stack) -> None:

@@ -10,12 +10,15 @@ import time
 
 import pytest
 import torch
+from engine_helpers import requires_devices
 
 from broker.client import BrokerClient
 from broker.messages import AddRequest
 from broker.sampling_params import SamplingParams
 from engine import LLM
 from worker.multiproc_executor import WorkerDied
+
+pytestmark = requires_devices(2)
 
 PROMPTS = [[5, 17, 99, 4, 250, 31], list(range(40, 140)), [7], list(range(300, 333))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

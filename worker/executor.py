@@ -55,8 +55,10 @@ class UniprocExecutor:
         self.runner.kv_caches = []
 
 
-def make_executor(config: EngineConfig) -> Executor:
+def make_executor(config: EngineConfig, dp_rank: int = 0) -> Executor:
+    """``dp_rank`` names the TP workers and their queues (``redserve-worker-<dp_rank>-<tp_rank>``), so the
+    engines of one host stay apart."""
     if config.tensor_parallel_size == 1:
         return UniprocExecutor(config)
     from worker.multiproc_executor import MultiprocExecutor
-    return MultiprocExecutor(config)
+    return MultiprocExecutor(config, dp_rank=dp_rank)

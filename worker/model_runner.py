@@ -10,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
 from worker.input_batch import InputBatch
 from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
 from worker.parallel_state import tp_group
@@ -39,6 +40,7 @@ class ModelRunner:
                                       self.eos_token_ids)
         self.sampler = Sampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
+        self.memory: DeviceMemory | None = device_memory_for(self.device)
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -54,26 +56,30 @@ class ModelRunner:
         return 2 * layers * self.config.block_size * self.num_kv_heads * self.head_dim * elem
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks that fit the KV budget: the CPU byte budget, or free GPU memory after a profile run."""
+        """Blocks that fit the KV budget: the CPU byte budget, or free device memory after a profile run."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+        if self.memory is not None:
+            budget = self._profiled_kv_budget(self.memory)
         else:
             budget = self.config.kv_cache_memory
         return max(int(budget // self.kv_bytes_per_block), 0)
 
-    def _cuda_kv_budget(self) -> int:
-        torch.cuda.reset_peak_memory_stats(self.device)
-        probe_blocks = -(-self.config.max_num_batched_tokens // self.config.block_size) + 1
-        self.init_kv_cache(probe_blocks)
+    def _profiled_kv_budget(self, memory: DeviceMemory) -> int:
+        """Profile one step at the full token budget over a probe cache just big enough for it, then
+        size the real cache from what the device has left (``worker.device_memory``)."""
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        probe_blocks = -(-tokens // self.config.block_size) + 1
+        memory.reset_peak()
+        self._allocate_kv_cache(probe_blocks)
         self.profile_run(tokens)
-        peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.gpu_memory_utilization - peak)
+        memory.release_cached()
+        snapshot = memory.snapshot()
+        budget = kv_cache_budget(snapshot, self.config.gpu_memory_utilization, probe_blocks * self.kv_bytes_per_block)
+        logger.info("KV cache budget %.2f GiB (device total %.2f GiB, free %.2f GiB, profile peak %.2f GiB)",
+                    budget / 2**30, snapshot.total / 2**30, snapshot.free / 2**30, snapshot.torch_peak / 2**30)
+        return budget
 
     def profile_run(self, num_tokens: int) -> None:
         from engine.step_types import NewRequestData
@@ -85,9 +91,14 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         min_blocks = -(-self.max_model_len // self.config.block_size)
         if num_blocks < min_blocks and self.config.num_kv_blocks is None:
+            more = "--gpu-memory-utilization" if self.memory is not None else "the KV memory"
             raise ModelLoadError(
                 f"the KV cache budget holds {num_blocks * self.config.block_size} tokens, fewer than "
-                f"max_model_len {self.max_model_len}; raise the KV memory or lower --max-model-len")
+                f"max_model_len {self.max_model_len}; raise {more} or lower --max-model-len")
+        self._allocate_kv_cache(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
         shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.hf_config.num_hidden_layers)]

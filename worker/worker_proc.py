@@ -56,11 +56,16 @@ def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, 
         engine_config = EngineConfig(**config)
         device = torch.device(engine_config.device)
         if device.type == "cuda":
+            if rank >= torch.cuda.device_count():
+                raise RuntimeError(f"TP rank {rank} needs cuda:{rank} but {torch.cuda.device_count()} CUDA devices "
+                                   f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
             torch.cuda.set_device(rank)
             engine_config.device = f"cuda:{rank}"
             device = torch.device(engine_config.device)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_config.tensor_parallel_size))
+            # The engine's share of the cores (the stack sets OMP_NUM_THREADS per DP engine), split over its ranks.
+            cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+            torch.set_num_threads(max(1, cores // engine_config.tensor_parallel_size))
         init_tensor_parallel(rank, engine_config.tensor_parallel_size, store_path, device)
         runner = ModelRunner(engine_config)
         inbox = MessageQueue.attach(broadcast, rank)

@@ -28,14 +28,10 @@ class RotaryEmbedding(nn.Module):
         rope_type = params["rope_type"]
         if rope_type not in _SUPPORTED:
             raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {sorted(_SUPPORTED)}")
-        if rope_type == "default":
-            exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-            inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", (freqs.cos() * scaling).to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scaling).to(device=device, dtype=dtype), persistent=False)
+        cos, sin = _cos_sin_table(config, params, head_dim, max_positions)
+        # Computed on the CPU whatever the default device (the reference's numbers), then moved once.
+        self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, d], k: [T, kv_heads, d]. Computed in the model dtype, with cos/sin rounded to it,
@@ -43,6 +39,20 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _cos_sin_table(config, params: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_positions, head_dim / 2] float32 cos and sin, every tensor explicitly on the CPU."""
+    cpu = torch.device("cpu")
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+    else:
+        with cpu:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq.float().to(cpu))
+    return freqs.cos() * scaling, freqs.sin() * scaling
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

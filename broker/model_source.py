@@ -1,0 +1,136 @@
+"""Where a ``--model`` path's Hugging Face directory is: a directory is used as is, a GGUF file is
+converted once into an HF directory cached on disk. Torch-free (the API imports it).
+
+Rules:
+- The cache of a GGUF file is ``$REDSERVE_CACHE_DIR/gguf/<stem>-<sha256 of the file, 16 hex>/``
+  (default root ``~/.cache/redserve``): config.json, model.safetensors (float32, the exact dequantized
+  values; engines cast to ``--dtype`` at load), generation_config.json and the tokenizer files with the
+  chat template. A changed file gets a new directory. To clear the cache, delete ``<root>/gguf/`` (or
+  one subdirectory); the next start converts again.
+- Two processes may convert at once (DP engines, API workers): each takes an exclusive ``flock`` on
+  ``<cache dir>.lock``; the winner writes a temp directory next to the target and renames it into place
+  (atomic), the others wait on the lock and then find the directory done. Temp directories left by a
+  killed conversion are removed by the next one.
+- `check_gguf` reads only the GGUF header (gguf-py, numpy): an architecture outside `GGUF_ARCHITECTURES`
+  or a tensor type outside `GGUF_TENSOR_TYPES` is a `ValueError` naming what was found and what is
+  supported, before any conversion starts.
+- The conversion needs torch (``worker.gguf_model``): `resolve_model_dir` runs it in this process, or
+  with ``in_subprocess=True`` in a child Python so a torch-free caller (the API) stays torch-free.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# GGUF ``general.architecture`` -> the HF architecture our engine runs (worker.model_loader.ARCHITECTURES).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Tensor types that transformers dequantizes (through gguf-py) and that we have served.
+GGUF_TENSOR_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                               "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+
+
+def is_gguf(model: str | os.PathLike) -> bool:
+    return str(model).lower().endswith(".gguf")
+
+
+def cache_root() -> Path:
+    root = os.environ.get("REDSERVE_CACHE_DIR") or Path.home() / ".cache" / "redserve"
+    return Path(root).expanduser() / "gguf"
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def gguf_cache_dir(gguf_path: str | os.PathLike) -> Path:
+    """The HF directory that `gguf_path` converts to (see the module rules)."""
+    path = Path(gguf_path)
+    return cache_root() / f"{path.stem}-{file_digest(path)[:16]}"
+
+
+def is_converted(out_dir: Path) -> bool:
+    return (out_dir / "config.json").is_file() and (out_dir / "tokenizer.json").is_file()
+
+
+def check_gguf(gguf_path: str | os.PathLike) -> str:
+    """The HF architecture name of `gguf_path`; ValueError if we cannot serve it (see the module rules)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path}; "
+                         f"supported: {sorted(GGUF_ARCHITECTURES)}")
+    types = {t.tensor_type.name for t in reader.tensors}
+    if types - GGUF_TENSOR_TYPES:
+        raise ValueError(f"unsupported GGUF tensor types {sorted(types - GGUF_TENSOR_TYPES)} in {gguf_path}; "
+                         f"supported: {sorted(GGUF_TENSOR_TYPES)}")
+    return GGUF_ARCHITECTURES[arch]
+
+
+def resolve_model_dir(model: str, in_subprocess: bool = False) -> str:
+    """`model` itself unless it is a GGUF file, else its converted cache directory (converted if missing)."""
+    if not is_gguf(model):
+        return model
+    if not os.path.isfile(model):
+        raise ValueError(f"GGUF file not found: {model}")
+    out = gguf_cache_dir(model)
+    if is_converted(out):
+        return str(out)
+    architecture = check_gguf(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out.with_name(out.name + ".lock")):
+        if not is_converted(out):  # another process may have finished while we waited
+            _remove_stale_temp_dirs(out)
+            _convert(model, out, architecture, in_subprocess)
+    return str(out)
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _remove_stale_temp_dirs(out: Path) -> None:
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _convert(model: str, out: Path, architecture: str, in_subprocess: bool) -> None:
+    logger.info("converting GGUF %s into %s (once; cached)", model, out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        if in_subprocess:
+            done = subprocess.run([sys.executable, "-m", "worker.gguf_model", model, str(tmp), architecture],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                raise ValueError(f"converting {model} failed: {done.stderr.strip()[-2000:]}")
+        else:
+            from worker.gguf_model import convert_gguf
+            convert_gguf(model, tmp, architecture)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared $REDSERVE_CACHE_DIR from other users
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

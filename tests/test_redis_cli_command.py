@@ -1,0 +1,52 @@
+"""`redserve redis-cli`: inspection of the stack's authenticated Redis with plain redis-cli."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from stack_procs import cli
+
+from broker.redis_server import EmbeddedRedis
+from redserve.stack_state import StackState, write_stack_state
+
+
+@pytest.fixture
+def stack_file(tmp_path, monkeypatch):
+    """A private Redis recorded in a stack file, as `redserve serve` records its embedded one."""
+    monkeypatch.setenv("REDSERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("REDSERVE_REDIS_URL", raising=False)
+    with EmbeddedRedis() as server:
+        write_stack_state(StackState(server.url, "rs", "/m", ["m"], admin_redis_url=server.admin_url))
+        yield server
+
+
+def redis_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cli("redis-cli", *argv), capture_output=True, text=True, timeout=60,
+                          env={**os.environ})
+
+
+def test_runs_commands_as_the_app_user_from_the_stack_file(stack_file):
+    assert redis_cli("SADD", "rs:engines", "0").stdout.strip() == "1"
+    assert redis_cli("SMEMBERS", "rs:engines").stdout.strip() == "0"
+    for command in (["CONFIG", "GET", "maxmemory"], ["FLUSHALL"], ["ACL", "WHOAMI"]):
+        denied = redis_cli(*command)
+        assert "NOPERM" in denied.stdout + denied.stderr, command
+
+
+def test_admin_may_reconfigure(stack_file):
+    out = redis_cli("--admin", "CONFIG", "GET", "maxmemory-policy").stdout.split()
+    assert out == ["maxmemory-policy", "noeviction"]
+    assert redis_cli("--admin", "ACL", "WHOAMI").stdout.strip() == "admin"
+
+
+def test_an_explicit_url_wins_and_no_stack_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDSERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("REDSERVE_REDIS_URL", raising=False)
+    missing = redis_cli("PING")
+    assert missing.returncode != 0 and "--redis-url" in missing.stderr
+    with EmbeddedRedis() as server:
+        assert redis_cli("--redis-url", server.url, "PING").stdout.strip() == "PONG"
+        no_admin = redis_cli("--admin", "PING")
+        assert no_admin.returncode != 0 and "embedded Redis" in no_admin.stderr
