@@ -14,8 +14,10 @@ Rules:
   "error", `error` = "<ErrorCode>: ...") when:
   * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
   * the output subscription drops (Redis restarted, network) -> broker_disconnected, for every
-    request in flight (outputs may have been missed); the listener resubscribes with backoff and
-    ABORTs are sent once Redis is back;
+    request in flight that had produced output (some may have been missed); the listener resubscribes
+    with backoff and ABORTs are sent once Redis is back. A request with no output yet is not failed: once
+    Redis is back it is sent again under a fresh id (`~rN`; the old id is aborted, since a Redis that
+    only blinked may still hold it) to any READY engine, waiting up to `replace_wait` s for one;
   * `EngineOutputs.seq` from an engine skips a number -> output_lost, for that engine's requests;
   * its engine's heartbeat expires or the engine restarts (new incarnation) -> the request is
     re-placed on another engine if it has produced no output yet (at most `resubmit_limit` times),

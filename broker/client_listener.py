@@ -13,6 +13,7 @@ ends requests through the client's `_*_locked` helpers.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import redis
@@ -80,13 +81,22 @@ class OutputListener:
         with c._lock:
             c._subscribed = False
             c._subscribed_event.clear()
-            lost = list(c._mailboxes.values())
-            for mb in lost:
-                c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "lost the connection to Redis; output may be incomplete")
+            lost, kept = [], 0
+            for mb in list(c._mailboxes.values()):
+                if not mb.got_output and mb.resubmits < c._resubmit_limit:
+                    mb.lost_with_redis = True  # nothing reached the caller: run it again once Redis is back
+                    mb.orphaned_at = time.monotonic() if mb.orphaned_at is None else mb.orphaned_at
+                    kept += 1
+                else:
+                    lost.append(mb)
+                    c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "lost the connection to Redis; output may be incomplete")
             c._fail_calls_locked(None, "lost the connection to Redis")
             c._last_seq.clear()
         if lost:
             logger.warning("client %s: failed %d request(s) in flight after losing Redis", c.client_id, len(lost))
+        if kept:
+            logger.warning("client %s: %d request(s) with no output yet will be sent again once Redis is back",
+                           c.client_id, kept)
 
     def dispatch(self, data: bytes) -> None:
         """Deliver one message from the output channel."""

@@ -14,6 +14,7 @@ shared state (`_mailboxes`, `_incarnations`, `_last_seq`, `_pending_aborts`) onl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -84,6 +85,11 @@ class Maintenance:
             expired = [mb for mb in c._mailboxes.values() if mb.deadline is not None and mb.deadline <= now]
             for mb in expired:
                 c._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
+            waited_out = [mb for mb in c._mailboxes.values() if mb.lost_with_redis and mb.orphaned_at is not None
+                          and time.monotonic() - mb.orphaned_at >= c._replace_wait]
+            for mb in waited_out:
+                c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED,
+                               f"lost the connection to Redis and it was not back within {c._replace_wait:.0f} s")
 
     def check_engines(self) -> None:
         """Re-place or fail requests whose engine is no longer live (or restarted)."""
@@ -94,6 +100,7 @@ class Maintenance:
             logger.debug("client %s: engine liveness check skipped: %s", c.client_id, e)
             return
         replace: list[Mailbox] = []
+        resend: list[Mailbox] = []
         with c._lock:
             for engine_id, incarnation in list(c._incarnations.items()):
                 if live.get(engine_id, {}).get("incarnation") != incarnation:
@@ -101,6 +108,9 @@ class Maintenance:
                     c._last_seq.pop(engine_id, None)
                     c._fail_calls_locked(engine_id, f"engine {engine_id} is gone")
             for mb in list(c._mailboxes.values()):
+                if mb.lost_with_redis:
+                    resend.append(mb)
+                    continue
                 if mb.engine_id in live and live[mb.engine_id].get("incarnation") == mb.incarnation:
                     continue
                 if not mb.got_output and mb.resubmits < c._resubmit_limit:
@@ -109,14 +119,21 @@ class Maintenance:
                     c._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone", abort=False)
         for mb in replace:
             self._replace(mb)
+        for mb in resend:
+            self._replace(mb, after_outage=True)
 
-    def _replace(self, mb: Mailbox) -> None:
+    def _replace(self, mb: Mailbox, after_outage: bool = False) -> None:
+        """Send `mb`'s ADD to a READY engine again. After a Redis outage (`after_outage`) any engine will do,
+        its own included, and the request gets a fresh id: Redis may have lost the ADD (a restart) or kept
+        it (a blip, with outputs lost meanwhile), so the old id is aborted and anything still coming for it
+        is ignored; the caller never sees the id change (it reads outputs from the handle)."""
         c = self._client
-        old = mb.engine_id
+        old, old_id = mb.engine_id, mb.request_id
         # The old engine is a fine target again once it is back as a new incarnation (a restart: DP=1).
         cached = c.selector.live_engines(max_age=float("inf")).get(old, {})
+        same_engine = cached.get("incarnation") == mb.incarnation and not after_outage
         try:
-            info = c.selector.select(exclude=[old] if cached.get("incarnation") == mb.incarnation else [])
+            info = c.selector.select(exclude=[old] if same_engine else [])
         except NoEngineAvailable:
             self._wait_for_engine(mb)
             return
@@ -127,8 +144,14 @@ class Maintenance:
             c.selector.on_finish(old)
             mb.engine_id, mb.incarnation = info["engine_id"], info.get("incarnation")
             mb.resubmits += 1
+            mb.orphaned_at = None
+            if after_outage:
+                self._rename_locked(mb, f"{old_id.split('~r')[0]}~r{mb.resubmits}")
+                c._pending_aborts.setdefault(old, set()).add(old_id)
             c.selector.on_submit(mb.engine_id)
-        logger.info("client %s: engine %s is gone; re-placed request %s on %s", c.client_id, old, mb.request_id, mb.engine_id)
+        logger.info("client %s: %s; re-placed request %s on %s as %s", c.client_id,
+                    "Redis came back" if after_outage else f"engine {old} is gone", old_id, mb.engine_id,
+                    mb.request_id)
         try:
             c._xadd(mb.engine_id, encode(mb.add))
         except redis.RedisError as e:
@@ -136,7 +159,15 @@ class Maintenance:
                 c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, f"could not re-place the request: {e}", abort=False)
             return
         if old != mb.engine_id and old in c.selector.live_engines(max_age=float("inf")):
-            c._send_aborts(old, [mb.request_id])  # it restarted or came back: do not run it twice
+            c._send_aborts(old, [old_id])  # it restarted or came back: do not run it twice
+
+    def _rename_locked(self, mb: Mailbox, request_id: str) -> None:
+        c = self._client
+        if c._mailboxes.get(mb.request_id) is mb:
+            del c._mailboxes[mb.request_id]
+        mb.add = dataclasses.replace(mb.add, request_id=request_id)
+        mb.lost_with_redis = False
+        c._mailboxes[request_id] = mb
 
     def _wait_for_engine(self, mb: Mailbox) -> None:
         """No engine is READY to take `mb` over (e.g. the only one is restarting): it stays parked and

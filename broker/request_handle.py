@@ -34,6 +34,7 @@ class Mailbox:
     done: bool = False
     resubmits: int = 0
     orphaned_at: float | None = None  # monotonic time its engine was found gone with no engine to take it
+    lost_with_redis: bool = False  # no output yet when the subscription dropped: re-sent once Redis is back
 
     @property
     def request_id(self) -> str:

@@ -73,3 +73,48 @@ def test_redis_restart_ends_every_stream_and_the_stack_recovers(tiny_llama_dir, 
         assert stack.engine.poll() is None and stack.api.poll() is None
     finally:
         stack.close()
+
+
+def test_requests_not_started_survive_a_redis_restart(tiny_llama_dir, tmp_path) -> None:
+    """Requests queued on a paused engine when Redis restarts (empty: their ADDs are gone) are sent again
+    by their API process once Redis is back, and complete with the same text as before the fault."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
+    redis_server = EmbeddedRedis().start()
+    stack = ApiStack(tiny_llama_dir, tmp_path, redis_server)
+    try:
+        stack.start_engine()
+        stack.api, stack.base_url = stack.spawn_api("api")
+        stack.wait_healthy(stack.base_url)
+        url = f"{stack.base_url}/v1/completions"
+        expected = requests.post(url, json=body, timeout=30).json()["choices"][0]["text"]
+        os.kill(stack.engine.pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(requests.post, url, json=body, timeout=DEADLINE_S) for _ in range(3)]
+                deadline = time.monotonic() + 10
+                while redis_server_pending(redis_server) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                redis_server.restart()
+                os.kill(stack.engine.pid, signal.SIGCONT)
+                answers = [f.result() for f in futures]
+        finally:
+            os.kill(stack.engine.pid, signal.SIGCONT)
+        assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+        assert [a.json()["choices"][0]["text"] for a in answers] == [expected] * 3
+    finally:
+        stack.close()
+
+
+def redis_server_pending(server: EmbeddedRedis) -> int:
+    """ADDs waiting in every request stream (the paused engine has read none of them)."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    try:
+        return sum(r.xlen(k) for k in r.scan_iter(match="*:req:*", _type="STREAM"))
+    finally:
+        r.close()

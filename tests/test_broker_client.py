@@ -448,9 +448,11 @@ def test_redis_restart_mid_stream(redis_keys):
 def test_redis_down_fails_fast_and_nothing_hangs(redis_keys):
     with EmbeddedRedis() as server:
         engine = FakeEngine(server.url, redis_keys, "e0", ttl=1.0).start()
-        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=0.5)
+        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=0.5,
+                              replace_wait=1.0)
         try:
             assert client.wait_subscribed(5)
+            # no output yet: it waits for Redis to come back (to be sent again), but no longer than replace_wait
             stuck = client.submit(add(max_tokens=100, stall_after=0, deadline_in=30))
             server.stop()
             assert error_code(stuck.get(timeout=5).error) == "broker_disconnected"
