@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_offline.py
+
+# CUDA tests and a short decode benchmark; fails with a message when no GPU is visible.
+gpu-check: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gpu-check.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

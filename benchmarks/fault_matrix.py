@@ -44,6 +44,7 @@ from api.batch.store import BatchStore  # noqa: E402
 from broker.connection import connect  # noqa: E402
 from broker.keys import RedisKeys  # noqa: E402
 from broker.redis_server import pdeathsig_preexec, redis_cli_invocation  # noqa: E402
+from redserve.proc_tree import alive, children, descendants, socket_owner, title  # noqa: E402
 
 KEYS = RedisKeys()
 MODEL_NAME = "tiny-llama"
@@ -70,52 +71,14 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    return out
 
 
-def descendants(pid: int) -> list[int]:
-    return [p for child in children(pid) for p in (child, *descendants(child))]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
-def title(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
 
 
-def socket_owner(pids: list[int], server_port: int, client_port: int) -> int | None:
-    """Which of `pids` holds the server end of the loopback TCP connection from `client_port`."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                ports = (int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16))
-                if ports == (server_port, client_port):
-                    inodes.add(f"socket:[{cols[9]}]")
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                        return pid
-    return None
 
 
 def percentile(values: list[float], q: float) -> float:

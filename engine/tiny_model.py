@@ -20,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>", "<pad>")
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = range(len(SPECIAL_TOKENS))
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3")
 # Logit std at init is about init_std * sqrt(hidden_size); 0.1 gives clearly separated greedy choices.
 DEFAULT_INIT_STD = 0.1
 CORPUS_MAX_CHARS = 3_000_000
@@ -74,10 +75,13 @@ def tiny_config(
     vocab_size: int = 8192,
     max_position_embeddings: int = 2048,
     init_std: float = DEFAULT_INIT_STD,
+    sliding_window: int | None = None,
 ) -> PretrainedConfig:
-    """Return the LlamaConfig / Qwen2Config (qwen2: q/k/v bias, tied embeddings) for these sizes."""
-    from transformers import LlamaConfig, Qwen2Config
+    """Return the transformers config of ``arch`` for these sizes (qwen2: q/k/v bias, tied embeddings).
 
+    ``sliding_window``: mistral and phi3 use it on every layer, gemma2/gemma3 on their alternate (sliding)
+    layers (full attention on the rest), qwen2/qwen3 on every layer (``use_sliding_window``); llama ignores it.
+    """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads or init_std <= 0:
@@ -88,9 +92,53 @@ def tiny_config(
         max_position_embeddings=max_position_embeddings, initializer_range=init_std, rms_norm_eps=1e-6,
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, dtype="float32",
     )
-    if arch == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=False)
-    return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+    return _ARCH_CONFIGS[arch](common, sliding_window)
+
+
+def _llama(common: dict, window: int | None) -> PretrainedConfig:
+    from transformers import LlamaConfig
+    return LlamaConfig(**common, tie_word_embeddings=False)
+
+
+def _mistral(common: dict, window: int | None) -> PretrainedConfig:
+    from transformers import MistralConfig
+    return MistralConfig(**common, tie_word_embeddings=False, sliding_window=window)
+
+
+def _qwen(config_cls_name: str) -> Any:
+    def build(common: dict, window: int | None) -> PretrainedConfig:
+        import transformers
+        return getattr(transformers, config_cls_name)(
+            **common, tie_word_embeddings=True, use_sliding_window=window is not None,
+            sliding_window=window, max_window_layers=0)
+    return build
+
+
+def _gemma(config_cls_name: str) -> Any:
+    """Alternating sliding/full layers (the first sliding), q scale from head_dim / 2, and a small
+    attention softcap (Gemma 2) so that capping changes the scores of a tiny model."""
+    def build(common: dict, window: int | None) -> PretrainedConfig:
+        import transformers
+        head_dim = common["hidden_size"] // common["num_attention_heads"]
+        layers = common["num_hidden_layers"]
+        extra: dict[str, Any] = {"rope_local_base_freq": 100.0} if config_cls_name == "Gemma3TextConfig" else {
+            "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}
+        return getattr(transformers, config_cls_name)(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, tie_word_embeddings=True,
+            hidden_activation="gelu_pytorch_tanh", sliding_window=window or common["max_position_embeddings"],
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            **extra)
+    return build
+
+
+def _phi3(common: dict, window: int | None) -> PretrainedConfig:
+    from transformers import Phi3Config
+    return Phi3Config(**common, tie_word_embeddings=False, sliding_window=window,
+                      original_max_position_embeddings=common["max_position_embeddings"])
+
+
+_ARCH_CONFIGS = {"llama": _llama, "qwen2": _qwen("Qwen2Config"), "mistral": _mistral, "qwen3": _qwen("Qwen3Config"),
+                 "gemma2": _gemma("Gemma2Config"), "gemma3": _gemma("Gemma3TextConfig"), "phi3": _phi3}
 
 
 def _corpus(max_chars: int = CORPUS_MAX_CHARS) -> list[str]:
@@ -123,6 +171,15 @@ def build_tokenizer(vocab_size: int, arch: str = "llama") -> Tokenizer:
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens)")
+    corpus = _corpus()
+    return tk.Tokenizer.from_str(_trained_tokenizer_json(vocab_size, arch, tuple(corpus)))
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int, arch: str, corpus: tuple[str, ...]) -> str:
+    """Training is the slow part of ``make_tiny_model``: one training per (size, flavor, corpus)."""
+    import tokenizers as tk
+
     tok = tk.Tokenizer(tk.models.BPE())
     tok.decoder = tk.decoders.ByteLevel()
     if arch == "qwen2":
@@ -137,13 +194,13 @@ def build_tokenizer(vocab_size: int, arch: str = "llama") -> Tokenizer:
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(corpus, trainer)
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
         tok.add_special_tokens([tk.AddedToken(f"<|reserved_{i}|>", special=True) for i in range(missing)])
     if tok.get_vocab_size() != vocab_size or [tok.token_to_id(t) for t in SPECIAL_TOKENS] != [*range(5)]:
         raise RuntimeError("trained tokenizer does not have the expected vocab size / special token ids")
-    return tok
+    return tok.to_str()
 
 
 def _write_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:
@@ -191,6 +248,7 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     init_std: float = DEFAULT_INIT_STD,
+    sliding_window: int | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write a seeded random-weight model dir at ``out_dir`` atomically and return its path (see module doc)."""
@@ -204,13 +262,13 @@ def make_tiny_model(
     config = tiny_config(
         arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings, init_std=init_std,
+        max_position_embeddings=max_position_embeddings, init_std=init_std, sliding_window=sliding_window,
     )
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        tok = build_tokenizer(vocab_size, arch)
+        tok = build_tokenizer(vocab_size, "qwen2" if arch in ("qwen2", "qwen3") else "llama")
         with torch.random.fork_rng(devices=[]):  # default init is overwritten; keep the caller's RNG intact
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _init_weights(model, seed, init_std)
@@ -286,6 +344,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           ("--max-position-embeddings", 2048), ("--seed", 0)):
         parser.add_argument(flag, type=int, default=default, help=f"(default: {default})")
     parser.add_argument("--init-std", type=float, default=DEFAULT_INIT_STD, help="weight init std")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="attention window in tokens (mistral, qwen2/3, phi3: every layer; gemma: sliding layers)")
     parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
 
 
@@ -295,6 +355,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         args.out_dir, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size, max_position_embeddings=args.max_position_embeddings, seed=args.seed,
-        init_std=args.init_std, overwrite=args.overwrite,
+        init_std=args.init_std, sliding_window=args.sliding_window, overwrite=args.overwrite,
     )
     return 0

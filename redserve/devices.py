@@ -6,12 +6,18 @@ Rules:
   ``0 .. count-1``. Its TP workers then see them as ``cuda:0 .. cuda:T-1``.
 - No CUDA device (and no ``CUDA_VISIBLE_DEVICES`` of the user's): nothing is set, the engines run on the CPU.
 - DP x TP larger than the devices at hand is a clear error before any engine starts.
+- GPUs are counted without importing torch (the ``serve`` launcher never loads it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import subprocess
 from collections.abc import Mapping
+
+NVIDIA_PROC_GPUS = "/proc/driver/nvidia/gpus"
 
 
 def visible_devices(environ: Mapping[str, str], cuda_device_count: int) -> list[str]:
@@ -44,6 +50,15 @@ def engine_device_env(dp_rank: int, tp_size: int, environ: Mapping[str, str] = o
 
 
 def _cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """NVIDIA GPUs on this host, read without torch (the launcher stays torch-free): the driver's
+    /proc entries, else ``nvidia-smi -L``; 0 when neither is there."""
+    with contextlib.suppress(OSError):
+        return len(os.listdir(NVIDIA_PROC_GPUS))
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return 0
+    try:
+        out = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,13 +170,12 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def test_cuda_engine_starts_with_a_long_context_and_matches_the_cpu(long_context_model: str, rope: str) -> None:
     from engine import LLM, SamplingParams
 
-    config_path = f"{long_context_model}/config.json"
-    config = json.loads(open(config_path).read())
+    config_path = Path(long_context_model) / "config.json"
+    config = json.loads(config_path.read_text())
     if ROPE_VARIANTS[rope] is not None:
         config.pop("rope_parameters", None)
         config["rope_scaling"] = ROPE_VARIANTS[rope]
-    with open(config_path, "w") as f:
-        json.dump(config, f)
+    config_path.write_text(json.dumps(config))
     prompts = [[5, 17, 99, 4, 250, 31], list(range(40, 140))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     gpu = LLM(long_context_model, dtype="float32", device="cuda", max_model_len=8192)

@@ -3,6 +3,8 @@ and two TP engines on one Redis keep their workers apart (real processes, DP=2 x
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 
@@ -37,6 +39,18 @@ def test_a_user_device_list_is_picked_from_and_no_cuda_sets_nothing() -> None:
     assert engine_device_env(1, 2, {}, cuda_device_count=4) == {"CUDA_VISIBLE_DEVICES": "2,3"}
     assert engine_device_env(0, 2, {}, cuda_device_count=0) == {}
     assert engine_device_env(0, 1, {"CUDA_VISIBLE_DEVICES": ""}, cuda_device_count=0) == {}
+
+
+def test_gpus_are_counted_from_the_driver_without_torch(tmp_path, monkeypatch) -> None:
+    for pci in ("0000:17:00.0", "0000:65:00.0"):
+        (tmp_path / pci).mkdir()
+    monkeypatch.setattr(redserve.devices, "NVIDIA_PROC_GPUS", str(tmp_path))
+    assert redserve.devices._cuda_device_count() == 2
+    monkeypatch.setattr(redserve.devices, "NVIDIA_PROC_GPUS", str(tmp_path / "absent"))
+    monkeypatch.setattr(redserve.devices.shutil, "which", lambda _: None)
+    assert redserve.devices._cuda_device_count() == 0
+    code = "import sys, redserve.stack, redserve.devices as d; d._cuda_device_count(); sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "the serve launcher imported torch"
 
 
 def _serve_args(tmp_path, *flags: str):

@@ -20,7 +20,12 @@ from broker.model_source import gguf_cache_dir, resolve_model_dir  # noqa: E402
 
 
 def write_gguf(path: Path, arch: str, tensor_type: str = "F32") -> str:
+    """A header-valid GGUF with one tensor; tiny hyperparameters, no tokenizer (it cannot be served)."""
     writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64),
+                       ("attention.head_count", 4), ("attention.head_count_kv", 4), ("context_length", 64),
+                       ("vocab_size", 4)):
+        writer.add_uint32(f"{arch}.{key}", value)
     if tensor_type == "F32":
         writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     else:
@@ -114,7 +119,7 @@ def test_a_killed_conversion_leaves_no_target_and_is_cleaned_up(tmp_path, cache_
 
 
 def test_a_failed_subprocess_conversion_reports_its_error(tmp_path, cache_dir) -> None:
-    path = write_gguf(tmp_path / "m.gguf", "llama")  # a valid header but no real model in it
+    path = write_gguf(tmp_path / "m.gguf", "llama")  # no tokenizer in it: the conversion fails
     with pytest.raises(ValueError, match="converting .* failed: .+"):
         resolve_model_dir(path, in_subprocess=True)
     assert not gguf_cache_dir(path).exists() and not list(cache_dir.glob(".*.tmp-*"))

@@ -30,6 +30,7 @@ from broker.connection import connect
 from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
 from redserve.cli import build_parser
+from redserve.proc_tree import alive, children, descendants, socket_owner
 from redserve.stack import RedisWatch
 from redserve.stack import Stack as SupervisedStack
 from redserve.supervisor import ChildSpec, CrashLoop, RestartPolicy, Supervisor, has_exited
@@ -40,56 +41,12 @@ STOP_BOUND_S = 60  # every deadline of a graceful stop together, with slack for 
 MATRIX: list[tuple[str, str, str, str]] = []
 
 
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children, grandchildren, ...)."""
-    return [p for child in children(pid) for p in (child, *descendants(child))]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
-def socket_owner(pids: list[int], server_port: int, client_port: int) -> int | None:
-    """Which of `pids` holds the server end of the loopback TCP connection from `client_port`."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if (int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)) == (server_port,
-                                                                                                 client_port):
-                    inodes.add(f"socket:[{cols[9]}]")
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                    return pid
-            except OSError:
-                continue
-    return None
 
 
 def serve_argv(model: str, port: int, *extra: str, api_workers: int = 1, batch: bool = False) -> list[str]:

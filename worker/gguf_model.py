@@ -23,8 +23,9 @@ def convert_gguf(gguf_path: str, out_dir: str | os.PathLike, architecture: str) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(gguf_path))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                 local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     out = Path(out_dir)
     save_file(_unique_tensors(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     config = model.config

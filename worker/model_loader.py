@@ -12,15 +12,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
-from worker.models.llama import LlamaForCausalLM
+from worker.models.registry import ARCHITECTURES
 
 logger = logging.getLogger(__name__)
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
 
 
 class ModelLoadError(ValueError):

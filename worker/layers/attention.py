@@ -8,6 +8,15 @@ CPU). Decode attention then runs as two batched matmuls against all KV heads at 
 masked to its own head's block (``head_mask``): the extra multiply-adds by zero cost far less than the
 copies a per-head layout would need, and K/V are never repeated for GQA. Prefill chunks use SDPA with
 GQA folded into the query axis. Runs on CPU and CUDA with plain torch ops.
+
+Rules:
+- A layer with a ``sliding_window`` W lets the query at position q read only keys at k > q - W (the
+  Hugging Face rule), in decode and in every prefill chunk. All blocks stay allocated: older tokens are
+  masked, never freed (freeing blocks outside the window is an optimization left undone).
+- ``softcap`` c (Gemma 2) maps scores s to c * tanh(s / c) before masking; prefill then computes the
+  scores by hand since SDPA cannot cap them.
+- Window masks are built once per step and window size, and shared by every layer (cached on the
+  metadata).
 """
 
 from __future__ import annotations
@@ -25,6 +34,18 @@ class PrefillChunk:
     num_computed: int
     slot_index: torch.Tensor | None
     causal_mask: torch.Tensor | None
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``causal_mask`` (rows: query heads of a group x tokens) narrowed to keys within ``window``."""
+        if window not in self.window_masks:
+            context = self.num_computed + self.num_tokens
+            device = self.causal_mask.device
+            group = self.causal_mask.shape[0] // self.num_tokens
+            queries = torch.arange(self.num_computed, context, device=device).repeat(group)
+            keys = torch.arange(context, device=device)
+            self.window_masks[window] = self.causal_mask & (keys.unsqueeze(0) > queries.unsqueeze(1) - window)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -37,15 +58,27 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_window_mask(self, window: int) -> torch.Tensor:
+        """``decode_mask`` that also masks every position at or before (query position - window)."""
+        if window not in self.decode_window_masks:
+            lengths = (~self.decode_mask).sum(dim=-1, keepdim=True)
+            positions = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            self.decode_window_masks[window] = self.decode_mask | (positions <= lengths - 1 - window)
+        return self.decode_window_masks[window]
 
 
 class PagedAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         self._head_mask: torch.Tensor | None = None
 
     def head_mask(self, like: torch.Tensor) -> torch.Tensor:
@@ -78,8 +111,9 @@ class PagedAttention:
         keys = k_cache.view(-1, width).index_select(0, slots).view(batch, length, width)
         values = v_cache.view(-1, width).index_select(0, slots).view(batch, length, width)
         queries = (q.unsqueeze(2) * self.head_mask(q)).view(batch, self.num_heads, width)
-        scores = torch.bmm(queries, keys.transpose(1, 2)).float() * self.scale
-        scores.masked_fill_(meta.decode_mask, float("-inf"))
+        scores = self._capped(torch.bmm(queries, keys.transpose(1, 2)).float() * self.scale)
+        mask = meta.decode_mask if self.sliding_window is None else meta.decode_window_mask(self.sliding_window)
+        scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.bmm(probs, values).view(batch, self.num_kv_heads, self.group, self.num_kv_heads, self.head_dim)
         return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(batch, self.num_heads, self.head_dim)
@@ -92,6 +126,16 @@ class PagedAttention:
             v = v_cache.index_select(0, chunk.slot_index)
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
         queries = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
-        mask = chunk.causal_mask
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        mask = chunk.causal_mask if self.sliding_window is None else chunk.window_mask(self.sliding_window)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        else:
+            scores = self._capped(torch.matmul(queries, keys.transpose(1, 2)).float() * self.scale)
+            probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
+            out = torch.matmul(probs, values)
         return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)
+
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.softcap is None:
+            return scores
+        return torch.tanh(scores / self.softcap) * self.softcap

@@ -13,22 +13,24 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 _SUPPORTED = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE parameters; ``layer_type`` picks one entry of a per-layer-type dict (Gemma 3)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    params = dict(params)
+    params = dict(params[layer_type] if layer_type is not None else params)
     params.setdefault("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 layer_type: str | None = None):
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params["rope_type"]
         if rope_type not in _SUPPORTED:
             raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {sorted(_SUPPORTED)}")
-        cos, sin = _cos_sin_table(config, params, head_dim, max_positions)
+        cos, sin = _cos_sin_table(config, params, head_dim, max_positions, layer_type)
         # Computed on the CPU whatever the default device (the reference's numbers), then moved once.
         self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
@@ -41,7 +43,8 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _cos_sin_table(config, params: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin_table(config, params: dict, head_dim: int, max_positions: int,
+                   layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[max_positions, head_dim / 2] float32 cos and sin, every tensor explicitly on the CPU."""
     cpu = torch.device("cpu")
     rope_type = params["rope_type"]
@@ -50,7 +53,8 @@ def _cos_sin_table(config, params: dict, head_dim: int, max_positions: int) -> t
         inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
     else:
         with cpu:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu)
+            extra = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, **extra)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq.float().to(cpu))
     return freqs.cos() * scaling, freqs.sin() * scaling
 

@@ -1,5 +1,11 @@
 """Llama-family decoder (Llama, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, optional QKV bias,
-optional tied embeddings, over a paged KV cache. Weight names follow the Hugging Face checkpoints."""
+optional tied embeddings, per-layer sliding windows, over a paged KV cache. Weight names follow the
+Hugging Face checkpoints. Qwen3, Gemma 2/3 and Phi-3 subclass these pieces.
+
+Rules:
+- A layer's sliding window comes from ``config.layer_types`` when the config has it (Qwen2/3, Gemma),
+  else from ``config.sliding_window`` for every layer (Mistral); None means full attention.
+"""
 
 from __future__ import annotations
 
@@ -14,22 +20,31 @@ from worker.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.parallel_state import tp_group
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The attention window of layer ``layer_idx`` (see the module rules)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, rotary: RotaryEmbedding):
+    """Packed q/k/v projection, RoPE and paged attention. Reads the optional Gemma knobs from the config
+    (``query_pre_attn_scalar``, ``attn_logit_softcapping``); ``qk_norm`` adds per-head q/k norms that run
+    before RoPE (Qwen3, Gemma 3)."""
+
+    def __init__(self, config, dtype: torch.dtype, rotary: RotaryEmbedding, layer_idx: int,
+                 qk_norm: type[RMSNorm] | None = None):
         super().__init__()
         tp = tp_group().size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -45,7 +60,13 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = num_kv // tp
         self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scale=scalar ** -0.5 if scalar else None,
+                                   sliding_window=sliding_window_of(config, layer_idx),
+                                   softcap=getattr(config, "attn_logit_softcapping", None))
+        self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -54,14 +75,19 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), kv_cache, meta)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype):
+    """down(act(gate(x)) * up(x)): SwiGLU with the default ``act``, GeGLU with tanh-approximated GELU."""
+
+    def __init__(self, config, dtype: torch.dtype, act=F.silu):
         super().__init__()
+        self.act = act
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [("gate", inter), ("up", inter)],
                                                  bias=getattr(config, "mlp_bias", False), dtype=dtype)
@@ -70,13 +96,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, rotary: RotaryEmbedding):
+    qk_norm: type[RMSNorm] | None = None
+
+    def __init__(self, config, dtype: torch.dtype, rotary: RotaryEmbedding, layer_idx: int):
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype, rotary)
+        self.self_attn = LlamaAttention(config, dtype, rotary, layer_idx, self.qk_norm)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -92,13 +120,14 @@ class LlamaForCausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
               "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
+    layer_cls = LlamaDecoderLayer
+
     def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int):
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions, device, dtype)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, device, dtype)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, dtype, rotary, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The CUDA checks, for a host with at least one NVIDIA GPU (`make gpu-check`): the engine, model, TP and
+# parity tests on CUDA (they pick CUDA by themselves when it is present; TP tests skip when there are
+# fewer GPUs than they need), then a short decode benchmark. Exits non-zero, with a message, when torch
+# sees no CUDA device.
+#
+#   scripts/gpu-check.sh [extra pytest args]        PYTHON=/path/to/python to use another interpreter
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+
+if ! "$PY" - <<'PY'
+import sys
+
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+    print(f"gpu-check: no CUDA device visible to torch {torch.__version__} (CUDA build: {torch.version.cuda}); "
+          "run this on a GPU host with a CUDA build of torch", file=sys.stderr)
+    sys.exit(1)
+for i in range(torch.cuda.device_count()):
+    props = torch.cuda.get_device_properties(i)
+    print(f"gpu-check: cuda:{i} {props.name}, {props.total_memory / 2**30:.0f} GiB")
+PY
+then
+    exit 1
+fi
+
+echo "gpu-check: tests on CUDA"
+"$PY" -m pytest -q -x -rs tests/test_cuda_path.py tests/test_engine_core.py tests/test_engine_models.py \
+    tests/test_tiny_model.py tests/test_tensor_parallel.py tests/test_dp_tp.py "$@"
+
+echo "gpu-check: decode benchmark (default tiny model)"
+"$PY" benchmarks/bench_offline.py --device cuda --num-prompts 32 --input-len 128 --output-len 64
+echo "gpu-check: OK"

