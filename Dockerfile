@@ -22,7 +22,7 @@ COPY broker ./broker
 COPY engine ./engine
 COPY worker ./worker
 COPY redserve ./redserve
-RUN pip install . && useradd --create-home --uid 1000 redserve
+RUN pip install ".[gguf]" && useradd --create-home --uid 1000 redserve
 
 USER redserve
 WORKDIR /home/redserve

@@ -32,6 +32,7 @@ from api.completions import create_completion
 from api.config import ApiConfig
 from api.errors import ApiError, bad_request
 from api.generation import ClientDisconnected
+from api.generation_defaults import apply_generation_defaults
 from api.log_safety import printable
 from api.metrics import EngineStatsCollector, render_metrics
 from api.protocol import Body, parse_messages
@@ -68,11 +69,12 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
 
     @app.post("/v1/completions")
     def completions() -> Response:
-        return create_completion(state, _json_body(), _probe())
+        return create_completion(state, apply_generation_defaults(_json_body(), state.generation_defaults), _probe())
 
     @app.post("/v1/chat/completions")
     def chat_completions() -> Response:
-        return create_chat_completion(state, _json_body(), _probe())
+        return create_chat_completion(state, apply_generation_defaults(_json_body(), state.generation_defaults),
+                                      _probe())
 
     @app.get("/v1/models")
     def models() -> Response:

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from broker.model_source import resolve_model_dir
+
 
 @dataclass
 class ApiConfig:
@@ -16,7 +18,8 @@ class ApiConfig:
     (prompts x n) before 429; 429 too while every READY engine has `max_engine_waiting` requests
     waiting; 503 when the chosen engine's request stream holds `max_engine_backlog` messages. `api_key` None leaves every route open; with a key, every route but
     /health needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
-    requests carry their own chat template (the caller's Jinja runs here).
+    requests carry their own chat template (the caller's Jinja runs here). `generation_config`:
+    see `api.generation_defaults`.
     """
 
     model: str
@@ -32,13 +35,15 @@ class ApiConfig:
     public_metrics: bool = False
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 2.0
+    generation_config: str = field(default_factory=lambda: os.environ.get("REDSERVE_GENERATION_CONFIG", "auto"))
 
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ValueError("a Redis URL is required: pass --redis-url or set REDSERVE_REDIS_URL")
-        if not os.path.isdir(self.model):
-            raise ValueError(f"--model {self.model!r} is not a directory")
-        if not os.path.isfile(os.path.join(self.model, "tokenizer.json")):
+        model_dir = resolve_model_dir(self.model, in_subprocess=True)  # a GGUF: converted once, cached
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"--model {self.model!r} is not a directory or a GGUF file")
+        if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
             raise ValueError(f"--model {self.model!r} has no tokenizer.json (the API needs a fast tokenizer)")
         if not self.served_model_names:
             self.served_model_names = [os.path.basename(os.path.normpath(self.model))]
@@ -50,6 +55,8 @@ class ApiConfig:
             raise ValueError("--request-timeout must be positive")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError("--generation-config must be auto or vllm")
         if self.chat_template_timeout <= 0:
             raise ValueError("--chat-template-timeout must be positive")
 
@@ -73,4 +80,5 @@ class ApiConfig:
                    max_body_bytes=args.max_body_bytes,
                    public_metrics=args.public_metrics,
                    trust_request_chat_template=args.trust_request_chat_template,
-                   chat_template_timeout=args.chat_template_timeout)
+                   chat_template_timeout=args.chat_template_timeout,
+                   generation_config=getattr(args, "generation_config", "auto"))

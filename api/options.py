@@ -51,6 +51,11 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                         help="render chat templates that requests carry ('chat_template'): the caller's Jinja "
                              "runs in the server; refused (400) without this flag "
                              "(default: $REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1)")
+    parser.add_argument("--generation-config", choices=["auto", "vllm"],
+                        default=os.environ.get("REDSERVE_GENERATION_CONFIG", "auto"),
+                        help="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
+                             "unset get the model's generation_config.json values (as vLLM); vllm: ignore the "
+                             "file (default: $REDSERVE_GENERATION_CONFIG, else auto)")
     parser.add_argument("--chat-template-timeout", type=float, default=2.0,
                         help="seconds a chat template may render before the request is refused (400)")
     parser.add_argument("--max-concurrent-streams", "--max-queued-requests", dest="max_queued_requests", type=int,

@@ -17,6 +17,7 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Callable
@@ -26,6 +27,8 @@ import redis
 
 from api.config import ApiConfig
 from api.errors import ApiError
+from api.generation_defaults import describe as describe_generation_defaults
+from api.generation_defaults import load_generation_defaults
 from api.prompt_bound import PromptCharBound
 from api.tokenizer import ModelTokenizer
 from broker.client import BrokerClient
@@ -34,6 +37,8 @@ from broker.control_state import decode_fields, warn_bad
 from broker.errors import NoEngineAvailable
 from broker.keys import EngineState, RedisKeys
 from broker.registry import EngineRegistry
+
+logger = logging.getLogger(__name__)
 
 
 def too_busy(reason: str) -> ApiError:
@@ -75,6 +80,9 @@ class ApiState:
         self.tokenizer = tokenizer or ModelTokenizer(
             config.model, trust_request_chat_template=config.trust_request_chat_template,
             render_timeout=config.chat_template_timeout)
+        self.generation_defaults = load_generation_defaults(
+            getattr(self.tokenizer, "model_dir", config.model), config.generation_config)
+        logger.info(describe_generation_defaults(self.generation_defaults, config.generation_config))
         self.limiter = InFlightLimiter(config.max_queued_requests)
         self._client = client
         self._registry: EngineRegistry | None = None

@@ -44,6 +44,7 @@ class ModelTokenizer:
                  render_timeout: float = DEFAULT_RENDER_TIMEOUT,
                  max_render_chars: int = DEFAULT_MAX_RENDER_CHARS) -> None:
         model_dir = resolve_model_dir(model_dir, in_subprocess=True)
+        self.model_dir = model_dir
         if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
             raise ValueError(f"{model_dir} has no tokenizer.json: the API needs a fast (tokenizers) tokenizer")
         from transformers import PreTrainedTokenizerFast

@@ -117,7 +117,9 @@ class OutputListener:
                 self._on_gap_locked(engine_id, outs.seq - last - 1)
             for out in outs.outputs:
                 mb = c._mailboxes.get(out.request_id)
-                if mb is not None and mb.engine_id == engine_id:
+                # A request lost with Redis runs again under a fresh id: whatever still comes for the old
+                # one (an engine that had read the ADD before Redis went) is dropped, never mixed in.
+                if mb is not None and mb.engine_id == engine_id and not mb.lost_with_redis:
                     self._deliver_locked(mb, out)
             for result in outs.utility_results:
                 call = c._calls.pop(result.call_id, None)
@@ -126,7 +128,7 @@ class OutputListener:
 
     def _on_gap_locked(self, engine_id: str, missing: int) -> None:
         c = self._client
-        victims = [mb for mb in c._mailboxes.values() if mb.engine_id == engine_id]
+        victims = [mb for mb in c._mailboxes.values() if mb.engine_id == engine_id and not mb.lost_with_redis]
         logger.warning(
             "client %s: %d message(s) from engine %s were lost; failing its %d request(s)",
             c.client_id, missing, engine_id, len(victims),

@@ -21,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -51,6 +52,13 @@ def cache_root() -> Path:
 
 
 def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of the file, computed once per process for a given path, size and mtime."""
+    stat = os.stat(path)
+    return _digest(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -67,8 +75,10 @@ def is_converted(out_dir: Path) -> bool:
 
 def check_gguf(gguf_path: str | os.PathLike) -> str:
     """The HF architecture name of `gguf_path`; ValueError if we cannot serve it (see the module rules)."""
-    from gguf import GGUFReader
-
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise ValueError("serving a GGUF file needs the gguf package: pip install 'redserve[gguf]'") from e
     try:
         reader = GGUFReader(str(gguf_path))
     except (OSError, ValueError) as e:

@@ -108,8 +108,9 @@ def _mistral(common: dict, window: int | None) -> PretrainedConfig:
 def _qwen(config_cls_name: str) -> Any:
     def build(common: dict, window: int | None) -> PretrainedConfig:
         import transformers
+        head_dim = common["hidden_size"] // common["num_attention_heads"]  # Qwen3Config defaults to 128
         return getattr(transformers, config_cls_name)(
-            **common, tie_word_embeddings=True, use_sliding_window=window is not None,
+            **common, head_dim=head_dim, tie_word_embeddings=True, use_sliding_window=window is not None,
             sliding_window=window, max_window_layers=0)
     return build
 

@@ -52,7 +52,7 @@ def resolve_model(args: argparse.Namespace) -> None:
     process, so `serve` stays torch-free) so the engines and API workers started next find it cached.
     ``args.model`` keeps the GGUF path: it is the served name and every process resolves it alike."""
     if args.model is not None:
-        _convert_gguf_before_fork(args)
+        _convert_gguf(args)
     else:
         from engine.tiny_model import default_model_dir, ensure_default_model
         logging.getLogger("redserve").warning(
@@ -96,7 +96,6 @@ def cmd_redis_cli(args: argparse.Namespace) -> int:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from api.batch.cli import run_batch
-    _convert_gguf_before_fork(args)
     return run_batch(args)
 
 
@@ -107,23 +106,21 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 def cmd_api(args: argparse.Namespace) -> int:
     from api.server import run_api
-    _convert_gguf_before_fork(args)
     return run_api(args)
 
 
-def _convert_gguf_before_fork(args: argparse.Namespace) -> None:
-    """A GGUF --model is converted once here (in a child process), not in every forked worker."""
+def _convert_gguf(args: argparse.Namespace) -> None:
     from broker.model_source import is_gguf, resolve_model_dir
-    model = getattr(args, "model", None)
-    if model and is_gguf(model):
+    if is_gguf(args.model):
         try:
-            resolve_model_dir(model, in_subprocess=True)
+            resolve_model_dir(args.model, in_subprocess=True)
         except ValueError as e:
             sys.exit(f"redserve {args.command}: {e}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from redserve.stack import run_stack
+    os.environ["REDSERVE_GENERATION_CONFIG"] = args.generation_config  # the API (and batch) children read it
     return run_stack(args)
 
 
@@ -155,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render chat templates sent with requests (the caller's Jinja runs in the API); "
                         "refused with 400 otherwise (default: $REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--generation-config", choices=["auto", "vllm"],
+                   default=os.environ.get("REDSERVE_GENERATION_CONFIG", "auto"),
+                   help="auto: the model's generation_config.json sampling values are the defaults of requests "
+                        "that leave them unset (as vLLM); vllm: ignore the file")
     p.add_argument("--max-concurrent-streams", "--max-queued-requests", dest="max_queued_requests", type=int,
                    default=64, help="generation slots (prompt x n) per API worker before 429 (see redserve api)")
     p.add_argument("--dp-lockstep", action="store_true",

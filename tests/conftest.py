@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from broker.connection import connect
+from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
 
@@ -158,7 +158,8 @@ class ApiStack:
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dead = [p.args for p in (self.engine, self.api, *watch) if p is not None and p.poll() is not None]
+            dead = [[mask_url(a) if "://" in a else a for a in map(str, p.args)]
+                    for p in (self.engine, self.api, *watch) if p is not None and p.poll() is not None]
             if dead:
                 raise RuntimeError(f"a stack process exited: {dead}; see the logs in {self.logs}")
             try:

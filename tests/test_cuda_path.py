@@ -32,9 +32,13 @@ ROPE_VARIANTS = {
                  "original_max_position_embeddings": 64},
 }
 
+# The make-tiny-model arch that builds each served architecture's own config class.
+TINY_ARCH = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
+             "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+
 
 def _config(arch: str, rope: dict | None):
-    config = tiny_config("qwen2" if arch.startswith("Qwen2") else "llama", hidden_size=64, num_layers=2,
+    config = tiny_config(TINY_ARCH.get(arch, "llama"), hidden_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=256,
                          max_position_embeddings=256)
     config.architectures = [arch]

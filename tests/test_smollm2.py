@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ApiStack
+from engine_helpers import greedy, hf_greedy, make_llm
 from openai import OpenAI
 
 from broker.model_source import resolve_model_dir
 from broker.redis_server import EmbeddedRedis
-from conftest import ApiStack
-from engine_helpers import greedy, hf_greedy, make_llm
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 8
@@ -120,5 +120,5 @@ def test_streamed_text_equals_the_whole_text_on_multibyte_output(client: OpenAI)
                                             stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     text = whole.choices[0].message.content
-    assert text and streamed == text
-    assert "\ufffd" not in streamed
+    assert "🎉" in text  # emoji span several byte-level tokens: a chunk boundary can fall inside one
+    assert streamed == text and "\ufffd" not in streamed

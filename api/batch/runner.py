@@ -25,6 +25,7 @@ from api.batch.records import BatchRequest
 from api.chat import create_chat_completion
 from api.completions import create_completion
 from api.errors import ApiError
+from api.generation_defaults import apply_generation_defaults
 from api.log_safety import printable
 from api.state import ApiState
 
@@ -68,7 +69,9 @@ class ItemRunner:
         handler = _HANDLERS[request.url]
         with self.app.app_context():
             try:
-                response = handler(self.state, request.body, _still_connected)
+                defaults = self.state.generation_defaults if self.state is not None else {}
+                body = apply_generation_defaults(request.body, defaults)
+                response = handler(self.state, body, _still_connected)
                 return response.status_code, response.get_json()
             except ApiError as e:
                 return e.status, e.body()

@@ -30,6 +30,9 @@ class RotaryEmbedding(nn.Module):
         rope_type = params["rope_type"]
         if rope_type not in _SUPPORTED:
             raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {sorted(_SUPPORTED)}")
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE is applied to the whole head)")
         cos, sin = _cos_sin_table(config, params, head_dim, max_positions, layer_type)
         # Computed on the CPU whatever the default device (the reference's numbers), then moved once.
         self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
@@ -48,15 +51,33 @@ def _cos_sin_table(config, params: dict, head_dim: int, max_positions: int,
     """[max_positions, head_dim / 2] float32 cos and sin, every tensor explicitly on the CPU."""
     cpu = torch.device("cpu")
     rope_type = params["rope_type"]
+    extra = {"layer_type": layer_type} if layer_type is not None else {}
     if rope_type == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=cpu) / head_dim
         inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
     else:
         with cpu:
-            extra = {"layer_type": layer_type} if layer_type is not None else {}
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, cpu, **extra)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq.float().to(cpu))
+    if rope_type == "longrope":
+        freqs = _longrope_long_rows(config, params, freqs, extra)
     return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+def _longrope_long_rows(config, params: dict, freqs: torch.Tensor, extra: dict) -> torch.Tensor:
+    """Positions at or past ``original_max_position_embeddings`` take the long factors. Hugging Face
+    switches a whole sequence to them once it grows past that length (and recomputes its cache); a paged
+    cache keeps the keys already written, so only the positions beyond use the long factors."""
+    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                         None)
+    if not original or original >= freqs.shape[0]:
+        return freqs
+    cpu = torch.device("cpu")
+    with cpu:
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, cpu, seq_len=original + 1, **extra)
+    positions = torch.arange(original, freqs.shape[0], dtype=torch.float32, device=cpu)
+    freqs[original:] = torch.outer(positions, long_inv_freq.float().to(cpu))
+    return freqs
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

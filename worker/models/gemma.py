@@ -60,7 +60,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu").item()
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     @staticmethod

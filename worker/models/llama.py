@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
                  qk_norm: type[RMSNorm] | None = None):
         super().__init__()
         tp = tp_group().size
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         num_kv = config.num_key_value_heads or config.num_attention_heads
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [

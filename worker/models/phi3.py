@@ -4,8 +4,8 @@
 Rules:
 - A fused tensor is read whole and split into its logical parts (q, k, v / gate, up) at load, so each
   part is then sharded across TP ranks like the unfused Llama weights.
-- ``rope_type: longrope`` uses the short factors (what Hugging Face uses while a sequence fits
-  ``original_max_position_embeddings``); see ``worker.layers.rotary``.
+- ``rope_type: longrope``: short factors below ``original_max_position_embeddings`` (exactly Hugging
+  Face while a sequence fits it), long factors at positions past it; see ``worker.layers.rotary``.
 """
 
 from __future__ import annotations
