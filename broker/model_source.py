@@ -12,8 +12,8 @@ Rules:
   (atomic), the others wait on the lock and then find the directory done. Temp directories left by a
   killed conversion are removed by the next one.
 - `check_gguf` reads only the GGUF header (gguf-py, numpy): an architecture outside `GGUF_ARCHITECTURES`
-  or a tensor type outside `GGUF_TENSOR_TYPES` is a `ValueError` naming what was found and what is
-  supported, before any conversion starts.
+  or a tensor type outside `GGUF_TENSOR_TYPES`, or missing shape metadata (`GGUF_REQUIRED_KEYS`), is a
+  `ValueError` naming what was found and what is supported, before any conversion starts.
 - The conversion needs torch (``worker.gguf_model``): `resolve_model_dir` runs it in this process, or
   with ``in_subprocess=True`` in a child Python so a torch-free caller (the API) stays torch-free.
 """
@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 # GGUF ``general.architecture`` -> the HF architecture our engine runs (worker.model_loader.ARCHITECTURES).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Shape metadata every served file must carry (``{architecture}.{key}``).
+GGUF_REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                      "context_length")
 # Tensor types that transformers dequantizes (through gguf-py) and that we have served.
 GGUF_TENSOR_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
@@ -88,6 +91,9 @@ def check_gguf(gguf_path: str | os.PathLike) -> str:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {gguf_path}; "
                          f"supported: {sorted(GGUF_ARCHITECTURES)}")
+    missing = [f"{arch}.{key}" for key in GGUF_REQUIRED_KEYS if f"{arch}.{key}" not in reader.fields]
+    if missing:  # transformers would fill in a default (7B) shape and run out of memory converting it
+        raise ValueError(f"GGUF file {gguf_path} lacks the model shape metadata {missing}; it cannot be served")
     types = {t.tensor_type.name for t in reader.tensors}
     if types - GGUF_TENSOR_TYPES:
         raise ValueError(f"unsupported GGUF tensor types {sorted(types - GGUF_TENSOR_TYPES)} in {gguf_path}; "

@@ -19,13 +19,15 @@ from broker import model_source  # noqa: E402
 from broker.model_source import gguf_cache_dir, resolve_model_dir  # noqa: E402
 
 
-def write_gguf(path: Path, arch: str, tensor_type: str = "F32") -> str:
-    """A header-valid GGUF with one tensor; tiny hyperparameters, no tokenizer (it cannot be served)."""
+def write_gguf(path: Path, arch: str, tensor_type: str = "F32", without: str | None = None) -> str:
+    """A header-valid GGUF with one tensor; tiny hyperparameters (less the key `without`), no tokenizer
+    (it cannot be served)."""
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64),
                        ("attention.head_count", 4), ("attention.head_count_kv", 4), ("context_length", 64),
                        ("vocab_size", 4)):
-        writer.add_uint32(f"{arch}.{key}", value)
+        if key != without:
+            writer.add_uint32(f"{arch}.{key}", value)
     if tensor_type == "F32":
         writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     else:
@@ -76,6 +78,13 @@ def test_unsupported_architecture_names_what_was_found_and_what_is_supported(tmp
 def test_unsupported_quantization_names_what_was_found_and_what_is_supported(tmp_path, cache_dir) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama", "IQ2_XXS")
     with pytest.raises(ValueError, match=r"unsupported GGUF tensor types \['IQ2_XXS'\].*supported: .*'Q4_1'"):
+        resolve_model_dir(path)
+
+
+@pytest.mark.parametrize("key", ["block_count", "embedding_length", "attention.head_count"])
+def test_missing_shape_metadata_is_refused_before_converting(tmp_path, cache_dir, key) -> None:
+    path = write_gguf(tmp_path / "m.gguf", "llama", without=key)
+    with pytest.raises(ValueError, match=rf"lacks the model shape metadata \['llama\.{key}'\]"):
         resolve_model_dir(path)
 
 
