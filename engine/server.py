@@ -148,6 +148,7 @@ class EngineServer:
         self.stop_event.set()
         self.output_queue.put(None)
         threads[1].join(timeout=10)
+        threads[0].join(timeout=2)  # its read blocks 0.2 s at most: let it end before the stream is deleted
         heartbeat.stop()
         self.registry.deregister(self.engine_id)
         self.core.shutdown()

@@ -83,9 +83,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from redserve.stack_state import read_stack_state
     from redserve.status import run_from_args
     if not args.redis_url:
-        sys.exit("redserve status: --redis-url (or REDSERVE_REDIS_URL) is required")
+        stack = read_stack_state()  # the running `redserve serve` on this machine, if any
+        if stack is None:
+            sys.exit("redserve status: pass --redis-url (or set REDSERVE_REDIS_URL): no running `redserve serve` "
+                     "found on this machine")
+        args.redis_url = stack.redis_url
+        if "REDSERVE_KEY_PREFIX" not in os.environ and args.key_prefix == "rs":
+            args.key_prefix = stack.key_prefix
     return run_from_args(args)
 
 

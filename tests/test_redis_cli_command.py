@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
 import pytest
+from redis.connection import parse_url
 from stack_procs import cli
 
 from broker.redis_server import EmbeddedRedis
@@ -50,3 +52,11 @@ def test_an_explicit_url_wins_and_no_stack_is_a_clear_error(tmp_path, monkeypatc
         assert redis_cli("--redis-url", server.url, "PING").stdout.strip() == "PONG"
         no_admin = redis_cli("--admin", "PING")
         assert no_admin.returncode != 0 and "embedded Redis" in no_admin.stderr
+
+
+def test_status_finds_the_running_stack_too(stack_file):
+    out = subprocess.run(cli("status", "--json"), capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert out.returncode == 0, out.stderr
+    assert "engines" in json.loads(out.stdout)
+    password = parse_url(stack_file.url)["password"]
+    assert password not in out.stdout + out.stderr
