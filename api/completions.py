@@ -5,7 +5,11 @@ Rules:
   Each prompt is its own engine request; choice index = prompt index * n + sample index.
 - `echo` prepends the prompt text to each choice (streaming: in a first chunk per choice).
 - `logprobs` N: OpenAI's completions logprobs (tokens, token_logprobs, top_logprobs, text_offset);
-  with echo the prompt tokens are listed with null logprobs.
+  with echo the prompt tokens come first with the engine's prompt logprobs (the first one null, as
+  OpenAI). Streamed, the echo chunk then waits for the choice's first engine output.
+- `echo` with `max_tokens` 0 answers the prompt alone: the one token generated is dropped (as vLLM).
+- vLLM's `prompt_logprobs` K in the body adds `prompt_logprobs` to each (non-streamed) choice:
+  ``[None, {token_id: {logprob, rank, decoded_token}}, ...]`` with the prompt token and the top-K.
 - Streaming chunks are ``text_completion`` objects; `stream_options.include_usage` adds a last
   chunk with empty choices and the usage. Every choice ends with a chunk carrying finish_reason.
 """
@@ -20,7 +24,7 @@ from typing import Any
 from flask import Response, jsonify
 
 from api.generation import SequenceDelta
-from api.logprobs import CompletionLogprobs
+from api.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from api.protocol import CompletionRequest, parse_completion_request
 from api.serving import (
     ChoiceResult,
@@ -70,8 +74,9 @@ class _CompletionView:
         self.id = request_id
         self.created = int(time.time())
         self.n = request.params.n
-        self.want_logprobs = request.params.logprobs is not None
+        self.want_logprobs = request.logprobs is not None
         self._logprobs: dict[int, CompletionLogprobs] = {}
+        self._echoed: set[int] = set()
         self._token_name = token_namer(state, request.return_tokens_as_token_ids)
 
     def _prompt_text(self, p: int) -> str:
@@ -83,10 +88,11 @@ class _CompletionView:
             self._logprobs[index] = CompletionLogprobs(self._token_name)
         return self._logprobs[index]
 
-    def _echo(self, index: int) -> tuple[str, dict | None]:
+    def _echo(self, index: int, prompt_logprobs: list | None = None) -> tuple[str, dict | None]:
         p = index // self.n
+        self._echoed.add(index)
         text = self._prompt_text(p)
-        logprobs = self._builder(index).add_prompt(self.prompts[p]) if self.want_logprobs else None
+        logprobs = self._builder(index).add_prompt(self.prompts[p], prompt_logprobs) if self.want_logprobs else None
         return text, logprobs
 
     def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
@@ -101,26 +107,41 @@ class _CompletionView:
     def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
         choices = []
         for result in results:
-            text, logprobs = self._echo(result.index) if self.request.echo else ("", None)
+            text, logprobs = self._echo(result.index, result.prompt_logprobs) if self.request.echo else ("", None)
+            if self.request.echo_only:
+                result.text, result.token_ids, result.logprobs = "", [], None
             if self.want_logprobs:
                 self._builder(result.index).add(result.token_ids, result.logprobs)
                 logprobs = self._builder(result.index).total
-            choices.append(self._choice(result.index, text + result.text, logprobs, result.finish_reason,
-                                        result.stop_reason))
+            choice = self._choice(result.index, text + result.text, logprobs, result.finish_reason,
+                                  result.stop_reason)
+            if self.request.show_prompt_logprobs:
+                p = result.index // self.n
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(self._token_name, self.prompts[p],
+                                                                 result.prompt_logprobs)
+            choices.append(choice)
         return {**self._envelope(choices), "usage": usage(self.run)}
 
     def echo_chunks(self) -> list[dict[str, Any]]:
-        if not self.request.echo:
-            return []
+        if not self.request.echo or self.want_logprobs:
+            return []  # with logprobs, the echo waits for the prompt logprobs (`chunk`)
         return [self._envelope([self._choice(i, *self._echo(i), None, None)])
                 for i in range(self.n * len(self.prompts))]
 
     def chunk(self, delta: SequenceDelta) -> list[dict[str, Any]]:
+        head = []
+        if self.request.echo and delta.index not in self._echoed:
+            head = [self._envelope([self._choice(delta.index, *self._echo(delta.index, delta.prompt_logprobs),
+                                                 None, None)])]
+        if self.request.echo_only:
+            delta.text, delta.token_ids, delta.logprobs = "", [], None
+            if delta.finish_reason is None:
+                return head
         if not delta.text and delta.finish_reason is None and not self.want_logprobs:
-            return []
+            return head
         logprobs = self._builder(delta.index).add(delta.token_ids, delta.logprobs) if self.want_logprobs else None
-        return [self._envelope([self._choice(delta.index, delta.text, logprobs, delta.finish_reason,
-                                             delta.stop_reason)])]
+        return head + [self._envelope([self._choice(delta.index, delta.text, logprobs, delta.finish_reason,
+                                                    delta.stop_reason)])]
 
     def usage_chunks(self) -> list[dict[str, Any]]:
         if not self.request.include_usage:

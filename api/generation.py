@@ -60,6 +60,7 @@ class SequenceDelta:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None  # the engine's entries for prompt tokens 1.. (first delta only)
 
 
 class _Sequence:
@@ -80,7 +81,8 @@ class _Sequence:
         return self.finish_reason is not None
 
     def apply(self, out: RequestOutput) -> SequenceDelta | None:
-        delta = SequenceDelta(self.index, "", logprobs=[] if out.logprobs else None)
+        delta = SequenceDelta(self.index, "", logprobs=[] if out.logprobs else None,
+                              prompt_logprobs=out.prompt_logprobs)
         tokens = out.new_token_ids
         hide_stop_token = out.finish_reason == "stop" and not self.show_stop_token
         shown = len(tokens) - 1 if hide_stop_token else len(tokens)

@@ -7,8 +7,10 @@ Rules:
   of a character reads as U+FFFD; `bytes` is that text's UTF-8, as vLLM reports it).
 - Completions (`CompletionLogprobs`): ``tokens``, ``token_logprobs``, ``top_logprobs`` (a dict
   token -> logprob with the top-N and the sampled token), ``text_offset`` (the offset of each
-  token in the choice's text, counting echoed prompt text). Echoed prompt tokens have null
-  logprobs: prompt logprobs are not computed.
+  token in the choice's text, counting echoed prompt text). Echoed prompt tokens carry the
+  engine's prompt logprobs (the first token's is null, as OpenAI; all null if none were computed).
+- vLLM's `prompt_logprobs` (`vllm_prompt_logprobs`): ``[None, {token: {logprob, rank,
+  decoded_token}}, ...]`` keyed by token id (as a JSON string), the prompt token and the top-K.
 - Chat (`chat_logprobs`): ``[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]``
   with the top-N (N = top_logprobs) alternatives.
 - Non-finite logprobs (-inf for a masked token) become -9999.0, so the JSON stays standard.
@@ -35,9 +37,10 @@ class CompletionLogprobs:
         self._offset = initial_offset
         self.total: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
-    def add_prompt(self, token_ids: Sequence[int]) -> dict[str, list]:
-        """Echoed prompt tokens (null logprobs)."""
-        return self._add([(t, None) for t in token_ids])
+    def add_prompt(self, token_ids: Sequence[int], entries: Sequence[list] | None = None) -> dict[str, list]:
+        """Echoed prompt tokens; `entries` are the engine's for tokens 1.. (None: null logprobs)."""
+        shifted = [None, *entries] if entries is not None else [None] * len(token_ids)
+        return self._add(list(zip(token_ids, shifted, strict=True)))
 
     def add(self, token_ids: Sequence[int], entries: Sequence[list] | None) -> dict[str, list]:
         """Generated tokens with their engine entries; returns the piece for just these tokens."""
@@ -63,6 +66,24 @@ class CompletionLogprobs:
         for key, values in piece.items():
             self.total[key].extend(values)
         return piece
+
+
+def vllm_prompt_logprobs(token_text: Callable[[int], str], token_ids: Sequence[int],
+                         entries: Sequence[list] | None) -> list[dict[str, dict] | None] | None:
+    """vLLM's per-choice `prompt_logprobs` from the engine's entries for prompt tokens 1..."""
+    if entries is None:
+        return None
+    result: list[dict[str, dict] | None] = [None]
+    for token_id, (sampled, rank, top_ids, top_values) in zip(token_ids[1:], entries, strict=True):
+        position = {str(i): _vllm_item(token_text(i), v, r)
+                    for r, (i, v) in enumerate(zip(top_ids, top_values, strict=True), start=1)}
+        position.setdefault(str(token_id), _vllm_item(token_text(token_id), sampled, rank))
+        result.append(position)
+    return result
+
+
+def _vllm_item(text: str, logprob: float, rank: int) -> dict[str, Any]:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text}
 
 
 def chat_logprobs(token_text: Callable[[int], str], token_ids: Sequence[int],

@@ -14,6 +14,9 @@ Rules:
   `max_tokens` None means "up to the context length": the caller fills it in once the prompt
   length and the engine's max_model_len are known (`fit_to_context`).
 - Completions: `max_tokens` absent -> 16 (OpenAI's default), null -> up to the context.
+  `echo` with `logprobs` asks the engine for the prompt's logprobs (`prompt_logprobs`); `echo` with
+  `max_tokens` 0 answers the prompt alone (one token is generated and dropped, as vLLM).
+  vLLM's `prompt_logprobs` (k) adds a `prompt_logprobs` list per choice, in vLLM's shape.
   Chat: `max_completion_tokens` wins over `max_tokens`; both absent -> up to the context.
 - Unsupported features that would change the answer (best_of != n, suffix, logit_bias, non-text
   response_format, tools, non-text message parts) are a 400, never silently ignored.
@@ -84,6 +87,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, Any]] = {
     "ignore_eos": ("bool", False),
     "include_stop_str_in_output": ("bool", False),
     "skip_special_tokens": ("bool", True),
+    "prompt_logprobs": ("int", None),
 }
 
 
@@ -146,6 +150,9 @@ class CommonRequest:
 class CompletionRequest(CommonRequest):
     prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False
+    echo_only: bool = False
+    logprobs: int | None = None
+    show_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -166,9 +173,20 @@ def parse_completion_request(data: Any) -> CompletionRequest:
     logprobs = body.get("logprobs", "int")
     explicit_null = "max_tokens" in body.data and body.data["max_tokens"] is None
     max_tokens = None if explicit_null else body.get("max_tokens", "int", 16)
-    params = _sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    echo = body.get("echo", "bool", False)
+    echo_only = echo and max_tokens == 0
+    if echo_only and logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    # as vLLM: echo with max_tokens 0 generates one token that is never shown, and takes the prompt
+    # logprobs from the engine when logprobs are asked
+    params = _sampling_params(body, max_tokens=1 if echo_only else max_tokens,
+                              logprobs=None if echo_only else logprobs)
+    if echo and logprobs is not None:
+        wanted = max(logprobs, params.prompt_logprobs or 0)
+        params = dataclasses.replace(params, prompt_logprobs=wanted)
     common = _common(body, params)
-    return CompletionRequest(**common, prompts=_prompts(body), echo=body.get("echo", "bool", False))
+    return CompletionRequest(**common, prompts=_prompts(body), echo=echo, echo_only=echo_only, logprobs=logprobs,
+                             show_prompt_logprobs=body.has("prompt_logprobs"))
 
 
 def parse_chat_request(data: Any) -> ChatRequest:
@@ -179,8 +197,12 @@ def parse_chat_request(data: Any) -> ChatRequest:
         raise bad_request("tool calling is not supported by this server", param="tools")
     logprobs = body.get("logprobs", "bool", False)
     top_logprobs = body.get("top_logprobs", "int")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", param="top_logprobs")
     if top_logprobs is not None and not logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    if body.has("prompt_logprobs"):
+        raise bad_request("'prompt_logprobs' is supported on /v1/completions only", param="prompt_logprobs")
     max_tokens = body.get("max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = body.get("max_tokens", "int")

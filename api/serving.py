@@ -164,7 +164,7 @@ def start_run(state: ApiState, prompts: list[list[int]], params: list[SamplingPa
     try:
         run.generation = Generation(state.client, state.tokenizer, prompts, params, request_id,
                                     deadline=time.time() + state.config.request_timeout,
-                                    recorder=RequestRecorder(state.config.model_name),
+                                    recorder=RequestRecorder(state.config.model_name, params),
                                     is_disconnected=is_disconnected)
         run.generation.start()
     except NoEngineAvailable as e:
@@ -195,6 +195,7 @@ class ChoiceResult:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None
 
 
 def collect(run: Run) -> list[ChoiceResult]:
@@ -208,6 +209,8 @@ def collect(run: Run) -> list[ChoiceResult]:
             choice.token_ids += delta.token_ids
             if delta.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + delta.logprobs
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
     except GenerationError as e:

@@ -12,7 +12,8 @@ Rules:
 - Hash fields (`decode_fields`): names and values must be UTF-8. Fields in `INT_FIELDS` must hold an
   int in [0, 2**63); fields in `NUMBER_FIELDS` a finite number >= 0; a field that does not is dropped
   (its reader falls back to its default). Fields in `STR_FIELDS` stay strings; any other field becomes
-  an int or a finite float when it reads as one, else stays a string.
+  an int or a finite float when it reads as one, else stays a string. An engine's ``histograms`` (JSON,
+  `engine.step_metrics`) is a string here; its reader (`api.metrics`) checks its shape.
 - An engine entry (`parse_engine`) needs a `state` that is an `EngineState` and a non-empty
   `incarnation`; a READY one also needs `max_model_len`, `num_kv_blocks` and `block_size` (ints > 0:
   `mark_ready` writes them with the state). Entries without them are skipped.
@@ -32,11 +33,11 @@ from broker.log_limits import BAD_ENTRY_INTERVAL, warn_every
 
 logger = logging.getLogger(__name__)
 
-STR_FIELDS = frozenset({"engine_id", "host", "model", "state", "incarnation", "coordinator_id"})
+STR_FIELDS = frozenset({"engine_id", "host", "model", "state", "incarnation", "coordinator_id", "histograms"})
 INT_FIELDS = frozenset({
     "pid", "dp_rank", "tp", "num_kv_blocks", "block_size", "max_model_len", "waiting", "running", "num_steps",
     "generated_tokens", "prompt_tokens", "num_preemptions", "wave", "wave_running", "dp_lockstep", "dummy_steps",
-    "lockstep",
+    "lockstep", "prefix_cache_queries", "prefix_cache_hits",
 })
 NUMBER_FIELDS = frozenset({
     "heartbeat_ttl", "started_at", "ready_at", "stats_at", "kv_usage", "prefix_cache_hit_rate", "dead_at",

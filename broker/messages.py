@@ -244,7 +244,9 @@ class RequestOutput:
 
     `finish_reason` is None while running, else a `FinishReason` value; `stop_reason` is the stop
     token id or stop string that ended it, if any. `logprobs`, when requested, has one entry per
-    new token: [sampled_logprob, sampled_rank, top_token_ids, top_logprobs]. `error` is set (and
+    new token: [sampled_logprob, sampled_rank, top_token_ids, top_logprobs]. `prompt_logprobs`, on
+    the first output of a request that asked for them, has one entry of that shape per prompt token
+    after the first (an optional 10th array item: older readers ignore it). `error` is set (and
     finish_reason is "error") when the request failed; an error ends every index of the request.
     """
 
@@ -257,6 +259,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list | None = None
     error: str | None = None
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -273,7 +276,7 @@ class RequestOutput:
             self.num_cached_tokens,
             self.logprobs,
             self.error,
-        ]
+        ] + ([] if self.prompt_logprobs is None else [self.prompt_logprobs])
 
     @classmethod
     def _from_wire(cls, a: Any) -> RequestOutput:
@@ -292,7 +295,10 @@ class RequestOutput:
             and isinstance(error, _OPT_STR)
         ):
             raise MessageError(f"RequestOutput fields have wrong types: {[type(x).__name__ for x in a[:9]]}")
-        return cls(rid, index, tokens, finish, stop, n_prompt, n_cached, logprobs, error)
+        prompt_logprobs = a[9] if len(a) > 9 else None
+        if not isinstance(prompt_logprobs, (list, type(None))):
+            raise MessageError("RequestOutput prompt_logprobs must be an array or null")
+        return cls(rid, index, tokens, finish, stop, n_prompt, n_cached, logprobs, error, prompt_logprobs)
 
 
 @dataclass(slots=True)

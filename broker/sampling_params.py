@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPSILON = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -32,7 +33,11 @@ API_ONLY_FIELDS = frozenset({"stop", "include_stop_str_in_output", "skip_special
 class SamplingParams:
     """vLLM-compatible sampling parameters.
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters.
+    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those filters. The ranges are
+    vLLM's (`_verify_args`): top_k -1, 0 or >= 1; top_p in (0, 1]; min_p in [0, 1]; temperature >= 0;
+    presence/frequency penalties in [-2, 2]; repetition_penalty > 0; seed in int64.
+    ``prompt_logprobs`` (k) asks for the logprob of every prompt token after the first and the top-k
+    at each prompt position; the engine computes them only for requests that ask.
     ``stop`` strings are applied where text exists (the API process, the offline ``LLM``);
     ``stop_token_ids`` and EOS are applied by the engine.
     """
@@ -52,6 +57,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -60,21 +66,22 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k < 0:
-            self.top_k = 0
         self._check()
+        if self.top_k == -1:
+            self.top_k = 0
 
     def _check(self) -> None:
         _require(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n}")
         _require(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(isinstance(self.top_k, int), f"top_k must be an integer, got {self.top_k}")
+        _require(isinstance(self.top_k, int) and self.top_k >= -1,
+                 f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}")
         _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _require(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _require(-2.0 <= self.frequency_penalty <= 2.0,
                  f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _require(0.0 < self.repetition_penalty <= 2.0,
-                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _require(self.repetition_penalty > 0.0,
+                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
         _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                  f"max_tokens must be at least 1, got {self.max_tokens}")
         _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
@@ -83,7 +90,11 @@ class SamplingParams:
                  f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        _require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _require(self.prompt_logprobs is None
+                 or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        _require(self.seed is None or (isinstance(self.seed, int) and _INT64_MIN <= self.seed <= _INT64_MAX),
+                 f"seed must be an integer in the signed 64-bit range, got {self.seed!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         _require(len(self.stop) <= MAX_STOP_STRINGS, f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed")
         _require(sum(len(s.encode("utf-8", "surrogatepass")) for s in self.stop) <= MAX_STOP_BYTES,
@@ -119,7 +130,7 @@ class SamplingParams:
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n parallel samples: n=1, and a distinct seed when seeded."""
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index - _INT64_MIN) % 2**64 + _INT64_MIN
         return dataclasses.replace(self, n=1, seed=seed)
 
 

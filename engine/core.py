@@ -18,6 +18,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_metrics import StepMetrics
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class EngineStats:
     steps: int
     generated_tokens: int
     prompt_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    histograms: dict = field(default_factory=dict)  # engine.step_metrics.StepMetrics.wire()
     extra: dict = field(default_factory=dict)
 
 
@@ -54,6 +58,7 @@ class EngineCore:
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        self.metrics = StepMetrics()
 
     def _usable_model_len(self, model_len: int) -> int:
         """The longest sequence this engine can always finish: one that fits the whole KV pool and,
@@ -89,6 +94,7 @@ class EngineCore:
             kids = [Request(f"{request_id}#{i}", prompt_token_ids, params.for_child(i), arrival_time,
                             parent_id=request_id, index=i) for i in range(params.n)]
         self.children[request_id] = [k.request_id for k in kids]
+        self.metrics.on_queued(self.children[request_id])
         self.prompt_tokens += len(prompt_token_ids)
         self.scheduler.add_request(kids[0])
         if len(kids) > 1 and self.config.enable_prefix_caching:
@@ -104,6 +110,7 @@ class EngineCore:
             kid_ids = self.children.pop(request_id, [])
             if not kid_ids:
                 continue
+            self.metrics.forget(kid_ids)
             held = self.held_siblings.pop(kid_ids[0], [])
             aborted = self.scheduler.abort_requests(kid_ids) + held
             for req in aborted:
@@ -119,6 +126,7 @@ class EngineCore:
         if kid_id not in kids:
             return []
         aborted = self.scheduler.abort_requests([kid_id])
+        self.metrics.forget([kid_id])
         for held in self.held_siblings.values():
             aborted += [r for r in held if r.request_id == kid_id]
             held[:] = [r for r in held if r.request_id != kid_id]
@@ -134,24 +142,28 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_req_ids:
             return []
+        self.metrics.on_scheduled(sched.num_scheduled_tokens)
         result = self.executor.execute_model(sched)
         self.steps += 1
         updates = self.scheduler.update_from_output(sched, result)
         outputs = []
         for update in updates:
             self.generated_tokens += 1
-            outputs.append(self._output(update.request, [update.token.token_id], update.token.logprobs))
+            outputs.append(self._output(update.request, [update.token.token_id], update.token.logprobs,
+                                        update.token.prompt_logprobs))
+            self.metrics.on_token(update.request.request_id, update.finished)
             if update.finished:
                 self._forget_child(update.request.parent_id, update.request.request_id)
         self._release_siblings()
         return outputs
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list | None) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], logprobs: list | None,
+                prompt_logprobs: list | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.parent_id, index=req.index, new_token_ids=tokens,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            logprobs=None if logprobs is None else [logprobs])
+            logprobs=None if logprobs is None else [logprobs], prompt_logprobs=prompt_logprobs)
 
     def _forget_child(self, parent_id: str, kid_id: str) -> None:
         kids = self.children.get(parent_id)
@@ -176,7 +188,9 @@ class EngineCore:
             kv_usage=bm.usage, num_kv_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
-            generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens)
+            generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            histograms=self.metrics.wire())
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

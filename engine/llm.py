@@ -30,6 +30,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # [None, entry for token 1, ...] when params.prompt_logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -87,6 +88,8 @@ class LLM:
         if out.logprobs is not None:
             completion.logprobs = (completion.logprobs or []) + out.logprobs
         result.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+            result.prompt_logprobs = [None, *out.prompt_logprobs]
         if out.finish_reason is not None:
             completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
         if params.stop and completion.finish_reason is None:

@@ -106,7 +106,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            computed = self._cached_prefix(request)
             num_computed = request.num_computed_tokens + len(computed) * self.block_manager.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget:
@@ -124,6 +124,13 @@ class Scheduler:
             self._record(out, request, num_new, computed)
             budget -= num_new
         return budget
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Prefix-cache blocks to reuse; none for a request that wants prompt logprobs (as vLLM), since
+        those need the logits at every prompt position."""
+        if request.num_computed_tokens != 0 or request.params.prompt_logprobs is not None:
+            return []
+        return self.block_manager.get_computed_blocks(request)
 
     def _record(self, out: SchedulerOutput, request: Request, num_new: int, computed: list[int]) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new

@@ -329,7 +329,8 @@ class EngineServer:
         s = self.core.stats()
         return {"waiting": s.num_waiting, "running": s.num_running, "kv_usage": round(s.kv_usage, 4),
                 "num_steps": s.steps, "generated_tokens": s.generated_tokens, "prompt_tokens": s.prompt_tokens,
-                "num_preemptions": s.num_preemptions,
+                "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
+                "prefix_cache_hits": s.prefix_cache_hits, "histograms": s.histograms,
                 "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), "stats_at": round(time.time(), 3),
                 **self.waves.fields()}
 

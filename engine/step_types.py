@@ -47,10 +47,15 @@ class SchedulerOutput:
 
 @dataclass
 class SampledToken:
-    """One sampled token; ``logprobs`` is ``[sampled_logprob, rank, top_ids, top_logprobs]`` when asked."""
+    """One sampled token; ``logprobs`` is ``[sampled_logprob, rank, top_ids, top_logprobs]`` when asked.
+
+    ``prompt_logprobs`` (only on the first token of a request that asked for them) has one entry of
+    that shape per prompt token after the first: the logprob of prompt token i+1 given tokens 0..i.
+    """
 
     token_id: int
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -82,8 +87,9 @@ def scheduler_output_from_wire(data: dict[str, Any]) -> SchedulerOutput:
 
 
 def runner_output_to_wire(out: ModelRunnerOutput) -> dict[str, Any]:
-    return {req_id: [t.token_id, t.logprobs] for req_id, t in out.sampled.items()}
+    return {req_id: [t.token_id, t.logprobs] + ([] if t.prompt_logprobs is None else [t.prompt_logprobs])
+            for req_id, t in out.sampled.items()}
 
 
 def runner_output_from_wire(data: dict[str, Any]) -> ModelRunnerOutput:
-    return ModelRunnerOutput({req_id: SampledToken(t[0], t[1]) for req_id, t in data.items()})
+    return ModelRunnerOutput({req_id: SampledToken(*t[:3]) for req_id, t in data.items()})

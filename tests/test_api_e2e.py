@@ -179,7 +179,8 @@ def test_logprobs_shapes(client, model) -> None:
     lp = r.choices[0].logprobs
     n_prompt = r.usage.prompt_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 5
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert lp.token_logprobs[0] is None  # prompt logprobs: the first is null, as OpenAI
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:n_prompt])
     assert all(len(top) >= 3 for top in lp.top_logprobs[n_prompt:])
     assert r.choices[0].text.startswith(PROMPTS[0])
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,

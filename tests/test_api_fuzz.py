@@ -158,7 +158,7 @@ EDGE_CASES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400),
     ("/v1/completions", {"prompt": "x", "n": 2**63}, 400),
-    ("/v1/completions", {"prompt": "x", "top_k": -(2**63) - 1, "max_tokens": 2}, 200),
+    ("/v1/completions", {"prompt": "x", "top_k": -(2**63) - 1, "max_tokens": 2}, 400),
     ("/v1/completions", {"prompt": "x", "top_k": 2**63, "max_tokens": 2}, 200),
     ("/v1/completions", {"prompt": "x", "seed": 2**63 - 1, "n": 3, "max_tokens": 2}, 200),
     ("/v1/completions", {"prompt": "x", "min_tokens": 2**63}, 400),

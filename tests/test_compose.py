@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -36,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 REDSERVE_SERVICES = {"coordinator", "engine-0", "engine-1", "api", "batch-worker"}
+MONITORING_SERVICES = {"prometheus", "grafana"}
+MONITORING = ROOT / "monitoring"
 SECRETS = {"REDSERVE_API_KEY": "api-key-4b1d", "REDSERVE_REDIS_PASSWORD": "app9c0ffee",
            "REDSERVE_REDIS_ADMIN_PASSWORD": "admin7e57ab1e"}
 _VAR = re.compile(r"\$\$|\$\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
@@ -89,7 +92,7 @@ def parse_command(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
 def test_compose_file_has_the_stack() -> None:
     compose = load(COMPOSE)
     services = compose["services"]
-    assert set(services) == {"redis", *REDSERVE_SERVICES}
+    assert set(services) == {"redis", *REDSERVE_SERVICES, *MONITORING_SERVICES}
     assert services["redis"]["healthcheck"]["test"][-1] == "ping"
     assert services["engine-1"]["profiles"] == ["dp2"] and "profiles" not in services["engine-0"]
     for name in REDSERVE_SERVICES:
@@ -167,6 +170,48 @@ def test_compose_is_safe_to_expose() -> None:
             load(COMPOSE, {**partial, required: ""}, secrets=False)
     # The redis service's ACL is the embedded server's: same application user and rules.
     assert f"user {APP_USER} on >$REDIS_APP_PASSWORD {APP_USER_RULES}" in services["redis"]["command"][-1]
+
+
+def test_monitoring_profile_scrapes_the_api_with_the_key_from_the_environment() -> None:
+    compose = load(COMPOSE)
+    services = compose["services"]
+    for name in MONITORING_SERVICES:
+        assert services[name]["profiles"] == ["monitoring"], name
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            assert not source.startswith("./") or (ROOT / source).exists(), f"{name} mounts missing {source}"
+    assert services["prometheus"]["image"].startswith("prom/prometheus")
+    assert services["grafana"]["image"].startswith("grafana/grafana")
+    assert "secrets" not in compose, "`secrets: environment:` needs Compose v2; docker-compose 1.29 rejects the file"
+    scrape = yaml.safe_load((MONITORING / "prometheus" / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["static_configs"][0]["targets"] == ["api:8000"] and scrape["metrics_path"] == "/metrics"
+    prometheus = services["prometheus"]
+    key_file = scrape["authorization"]["credentials_file"]
+    start = prometheus["entrypoint"][-1]
+    assert f'> {key_file}' in start and "umask 077" in start and "exec /bin/prometheus" in start
+    assert prometheus["environment"]["REDSERVE_API_KEY"] == SECRETS["REDSERVE_API_KEY"]
+    grafana = services["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == ""  # unset here: its entrypoint refuses
+    assert "exit 1" in grafana["entrypoint"][-1] and "exec /run.sh" in grafana["entrypoint"][-1]
+    datasource = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    dashboard = json.loads((MONITORING / "grafana" / "redserve-dashboard.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {datasource["datasources"][0]["uid"]}
+    provider = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/redserve.yml").read_text())
+    assert any(v.endswith(":" + provider["providers"][0]["options"]["path"] + "/redserve-dashboard.json:ro")
+               for v in grafana["volumes"])
+
+
+def test_compose_config_validates_when_docker_compose_is_installed() -> None:
+    """`docker-compose config` (Debian's 1.29 or Compose v2) accepts the file, monitoring profile included."""
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed")
+    env = {**os.environ, **SECRETS}
+    for profile in ([], ["--profile", "dp2"], ["--profile", "monitoring"]):
+        out = subprocess.run([binary, "-f", str(COMPOSE), *profile, "config", "-q"], capture_output=True, text=True,
+                             env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
 
 
 def test_gpu_override_and_dockerfile() -> None:

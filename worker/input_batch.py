@@ -26,6 +26,21 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    prompt_logprobs: list[list] | None = None  # accumulated over prefill chunks when asked
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+
+@dataclass
+class PromptLogprobRows:
+    """Where one request's prompt positions sit in this step's flattened batch, and the next tokens."""
+
+    state: CachedRequestState
+    hidden_indices: list[int]
+    next_token_ids: list[int]
 
 
 @dataclass
@@ -35,6 +50,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled_states: list[CachedRequestState]
+    prompt_rows: list[PromptLogprobRows]
 
 
 class InputBatch:
@@ -61,6 +77,7 @@ class InputBatch:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
+                state.prompt_logprobs = None  # recomputed from the start
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -73,6 +90,7 @@ class InputBatch:
         slots: list[int] = []
         logits_indices: list[int] = []
         sampled: list[CachedRequestState] = []
+        prompt_rows: list[PromptLogprobRows] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefill_specs: list[tuple[int, int, int, list[int]]] = []
@@ -91,12 +109,24 @@ class InputBatch:
             if c + n == len(state.token_ids):
                 logits_indices.append(start + n - 1)
                 sampled.append(state)
+            if state.wants_prompt_logprobs:
+                rows = self._prompt_rows(state, start, c, n)
+                if rows.hidden_indices:
+                    prompt_rows.append(rows)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
         if decode_tables:
             self._add_decodes(meta, decode_tables, decode_lens)
         meta.prefills = [self._prefill_chunk(*spec) for spec in prefill_specs]
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
-                          self._tensor(logits_indices), sampled)
+                          self._tensor(logits_indices), sampled, prompt_rows)
+
+    @staticmethod
+    def _prompt_rows(state: CachedRequestState, start: int, computed: int, n: int) -> PromptLogprobRows:
+        """The chunk's positions p < len(prompt) - 1, whose logits predict prompt token p + 1."""
+        end = min(computed + n, len(state.prompt_token_ids) - 1)
+        positions = range(computed, end)
+        return PromptLogprobRows(state, [start + p - computed for p in positions],
+                                 [state.prompt_token_ids[p + 1] for p in positions])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -11,12 +11,13 @@ import torch
 from engine.config import EngineConfig
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
-from worker.input_batch import InputBatch
+from worker.input_batch import InputBatch, PromptLogprobRows
 from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
 from worker.parallel_state import tp_group
-from worker.sampler import Sampler
+from worker.sampler import Sampler, prompt_logprob_entries
 
 logger = logging.getLogger(__name__)
+_PROMPT_LOGPROB_ROWS = 512
 
 
 class ModelRunner:
@@ -110,6 +111,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self.input_batch.prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        for rows in inputs.prompt_rows:
+            self._accumulate_prompt_logprobs(hidden, rows)
         if not inputs.sampled_states:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -117,7 +120,21 @@ class ModelRunner:
         tokens = self.sampler(logits, batch)
         for state, token in zip(inputs.sampled_states, tokens, strict=True):
             state.token_ids.append(token.token_id)
+            if state.wants_prompt_logprobs:
+                token.prompt_logprobs = state.prompt_logprobs or []
+                state.prompt_logprobs, state.prompt_logprobs_sent = None, True
         return ModelRunnerOutput({s.req_id: t for s, t in zip(inputs.sampled_states, tokens, strict=True)})
+
+    def _accumulate_prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> None:
+        """Logits over this chunk's prompt positions (only for requests that asked), kept until the
+        prompt's last chunk, whose output carries them."""
+        entries = rows.state.prompt_logprobs or []
+        for first in range(0, len(rows.hidden_indices), _PROMPT_LOGPROB_ROWS):  # bounds the [rows, vocab] tensors
+            part = slice(first, first + _PROMPT_LOGPROB_ROWS)
+            index = torch.tensor(rows.hidden_indices[part], dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])
+            entries += prompt_logprob_entries(logits, rows.next_token_ids[part], rows.state.params.prompt_logprobs)
+        rows.state.prompt_logprobs = entries
 
     def info(self) -> dict:
         """What the engine needs to know about the model (sent back over the response queue)."""

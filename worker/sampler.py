@@ -124,6 +124,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def prompt_logprob_entries(logits: torch.Tensor, next_token_ids: list[int], top_n: int) -> list[list]:
+    """One ``[logprob, rank, top_ids, top_logprobs]`` entry per row: the raw log-softmax of the row
+    at its next (prompt) token, that token's rank, and the row's top-N."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, targets)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    if top_n:
+        values, ids = logprobs.topk(top_n, dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in next_token_ids]
+    return [[lp, rank, ids_, vals] for lp, rank, ids_, vals in zip(chosen_list, ranks, top_ids, top_values,
+                                                                   strict=True)]
+
+
 def _logprobs(row_logprobs: torch.Tensor, token: int, top_n: int | None) -> list:
     sampled = row_logprobs[token]
     rank = int((row_logprobs > sampled).sum()) + 1
