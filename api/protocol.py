@@ -18,13 +18,18 @@ Rules:
   `max_tokens` 0 answers the prompt alone (one token is generated and dropped, as vLLM).
   vLLM's `prompt_logprobs` (k) adds a `prompt_logprobs` list per choice, in vLLM's shape.
   Chat: `max_completion_tokens` wins over `max_tokens`; both absent -> up to the context.
-- Unsupported features that would change the answer (best_of != n, suffix, logit_bias, non-text
-  response_format, tools, non-text message parts) are a 400, never silently ignored.
+- Structured outputs: `response_format` text / json_object / json_schema (OpenAI's shapes), vLLM's
+  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark or GBNF) and its
+  `structured_outputs` dict ({json, regex, choice, grammar, json_object}); at most one. The grammar
+  is compiled here once (llguidance): one that does not compile is a 400 naming the field.
+- Unsupported features that would change the answer (best_of != n, suffix, logit_bias, tools,
+  non-text message parts) are a 400, never silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +73,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "list": (lambda v: isinstance(v, list), "an array"),
     "stop": (lambda v: isinstance(v, str) or _is_str_list(v), "a string or an array of strings"),
     "int_list": (_is_int_list, "an array of integers"),
+    "schema": (lambda v: isinstance(v, dict | str), "a JSON schema (an object, or its JSON text)"),
 }
 
 # name -> (kind, default) of the SamplingParams fields read the same way by both endpoints
@@ -263,7 +269,8 @@ def _sampling_params(body: Body, max_tokens: int | None, logprobs: int | None) -
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     try:
-        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs,
+                              structured_output=_structured_output(body))
     except (ValueError, TypeError) as e:
         named = str(e).split(" ", 1)[0].strip(":'")
         raise bad_request(str(e), param=named if named in _PARAM_NAMES else None) from e
@@ -286,9 +293,79 @@ def _check_stop_sizes(stop: str | list[str] | None, stop_token_ids: list[int] | 
 def _reject_unsupported(body: Body) -> None:
     if body.get("logit_bias", "dict"):
         raise bad_request("'logit_bias' is not supported", param="logit_bias")
+
+
+def _structured_output(body: Body) -> dict[str, Any] | None:
+    """The grammar spec (`engine.structured_output`) asked by `response_format`, vLLM's `guided_*`
+    fields or its `structured_outputs` dict; at most one. ApiError 400 naming the field when it is
+    malformed or its grammar does not compile."""
+    found = []
     response_format = body.get("response_format", "dict")
-    if response_format and response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    if response_format:
+        found.append(("response_format", _response_format_spec(response_format)))
+    for name, (kind, value_kind) in _GUIDED_FIELDS.items():
+        if body.has(name):
+            found.append((name, _guided_spec(kind, body.get(name, value_kind), name)))
+    options = body.get("structured_outputs", "dict")
+    if options:
+        for key, (kind, value_kind) in _STRUCTURED_OUTPUTS_KEYS.items():
+            value = Body(options).get(key, value_kind)
+            if value:
+                found.append(("structured_outputs", _guided_spec(kind, value, "structured_outputs")))
+    found = [(name, spec) for name, spec in found if spec is not None]
+    if len(found) > 1:
+        raise bad_request(f"only one structured output may be asked, got {[name for name, _ in found]}",
+                          param=found[1][0])
+    if not found:
+        return None
+    name, spec = found[0]
+    from engine.structured_output import spec_error  # llguidance: loaded on the first constrained request
+
+    error = spec_error(spec)
+    if error:
+        raise bad_request(f"'{name}' cannot be compiled to a grammar: {error}", param=name)
+    return spec
+
+
+def _response_format_spec(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object"}
+    if kind == "json_schema":
+        json_schema = response_format.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                              param="response_format")
+        return {"kind": "json_schema", "value": json.dumps(schema)}
+    raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                      param="response_format")
+
+
+def _guided_spec(kind: str, value: Any, name: str) -> dict[str, Any] | None:
+    if kind == "json_object":
+        return {"kind": "json_object"} if value is True else None
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise bad_request(f"'{name}' is not valid JSON: {e}", param=name) from None
+        if not isinstance(value, dict):
+            raise bad_request(f"'{name}' must be a JSON schema object", param=name)
+        return {"kind": "json_schema", "value": json.dumps(value)}
+    if kind == "choice" and not (_is_str_list(value) and value):
+        raise bad_request(f"'{name}' choices must be a non-empty list of strings", param=name)
+    return {"kind": kind, "value": value}
+
+
+# vLLM's extra_body fields, and the keys of its newer `structured_outputs` dict: (spec kind, value type)
+_GUIDED_FIELDS = {"guided_json": ("json_schema", "schema"), "guided_regex": ("regex", "str"),
+                  "guided_choice": ("choice", "list"), "guided_grammar": ("grammar", "str")}
+_STRUCTURED_OUTPUTS_KEYS = {"json": ("json_schema", "schema"), "regex": ("regex", "str"), "choice": ("choice", "list"),
+                            "grammar": ("grammar", "str"), "json_object": ("json_object", "bool")}
 
 
 def _prompts(body: Body) -> list[str | list[int]]:

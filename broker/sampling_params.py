@@ -10,7 +10,9 @@ Rules:
 - The wire (`AddRequest.params`) carries `to_engine_dict()`: the fields the engine uses. The
   `API_ONLY_FIELDS` (stop strings, include_stop_str_in_output, skip_special_tokens) are applied
   where text exists (the API process) and never travel; `from_dict` fills every missing field with
-  its default, so engines read old and new messages alike.
+  its default, so engines read old and new messages alike. `structured_output` (a grammar spec,
+  see `engine.structured_output`) travels only when set, so unconstrained requests still reach
+  engines that predate it (an older engine rejects a constrained one as an unknown parameter).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 4096
 MAX_STOP_TOKEN_IDS = 1024
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # engine.structured_output
 API_ONLY_FIELDS = frozenset({"stop", "include_stop_str_in_output", "skip_special_tokens"})
 
 
@@ -60,6 +63,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +107,9 @@ class SamplingParams:
                  f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids must be non-negative integers")
+        _require(self.structured_output is None
+                 or (isinstance(self.structured_output, dict) and self.structured_output.get("kind") in GRAMMAR_KINDS),
+                 f"structured_output must be a dict whose kind is one of {list(GRAMMAR_KINDS)}")
 
     @property
     def greedy(self) -> bool:
@@ -118,7 +125,8 @@ class SamplingParams:
 
     def to_engine_dict(self) -> dict[str, Any]:
         """`to_dict()` without the `API_ONLY_FIELDS`: what `AddRequest.params` carries to an engine."""
-        return {name: value for name, value in self.to_dict().items() if name not in API_ONLY_FIELDS}
+        return {name: value for name, value in self.to_dict().items()
+                if name not in API_ONLY_FIELDS and not (name == "structured_output" and value is None)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -19,6 +19,8 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_metrics import StepMetrics
+from engine.step_types import SchedulerOutput
+from engine.structured_output import LLMatcher, StructuredOutputs
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class EngineCore:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.metrics = StepMetrics()
+        self.structured = StructuredOutputs(config.model, self.vocab_size, list(self.executor.eos_token_ids))
 
     def _usable_model_len(self, model_len: int) -> int:
         """The longest sequence this engine can always finish: one that fits the whole KV pool and,
@@ -93,6 +96,9 @@ class EngineCore:
         else:
             kids = [Request(f"{request_id}#{i}", prompt_token_ids, params.for_child(i), arrival_time,
                             parent_id=request_id, index=i) for i in range(params.n)]
+        if params.structured_output is not None:
+            for kid in kids:  # one matcher per sequence; raises ValueError if the grammar does not compile
+                kid.grammar = self.structured.matcher(params.structured_output)
         self.children[request_id] = [k.request_id for k in kids]
         self.metrics.on_queued(self.children[request_id])
         self.prompt_tokens += len(prompt_token_ids)
@@ -143,6 +149,7 @@ class EngineCore:
         if sched.is_empty and not sched.finished_req_ids:
             return []
         self.metrics.on_scheduled(sched.num_scheduled_tokens)
+        sched.grammar_bitmasks = self.structured.bitmasks(self._constrained_rows(sched))
         result = self.executor.execute_model(sched)
         self.steps += 1
         updates = self.scheduler.update_from_output(sched, result)
@@ -156,6 +163,15 @@ class EngineCore:
                 self._forget_child(update.request.parent_id, update.request.request_id)
         self._release_siblings()
         return outputs
+
+    def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, LLMatcher]]:
+        """(req_id, matcher) of the structured-output sequences that sample a token this step."""
+        rows = []
+        for req_id, num_new in sched.num_scheduled_tokens.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is not None and req.grammar is not None and req.num_computed_tokens + num_new >= req.num_tokens:
+                rows.append((req_id, req.grammar))
+        return rows
 
     def _output(self, req: Request, tokens: list[int], logprobs: list | None,
                 prompt_logprobs: list | None = None) -> RequestOutput:

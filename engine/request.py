@@ -59,6 +59,7 @@ class Request:
         self.num_blocks_sent = 0
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.grammar = None  # llguidance LLMatcher of a structured-output sequence (engine.structured_output)
 
     @property
     def num_tokens(self) -> int:

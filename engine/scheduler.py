@@ -22,6 +22,7 @@ from engine.step_types import (
     SampledToken,
     SchedulerOutput,
 )
+from engine.structured_output import grammar_finished
 
 
 @dataclass
@@ -177,6 +178,9 @@ class Scheduler:
             if token is not None:
                 request.append_output_token(token.token_id)
                 status = self._check_stop(request, token.token_id)
+                if status is None and request.grammar is not None and grammar_finished(
+                        request.grammar, token.token_id, self.eos_token_ids):
+                    status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     self._finish(request, status)
             self.block_manager.cache_full_blocks(request)

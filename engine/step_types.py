@@ -35,6 +35,7 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmasks: dict[str, bytes] = field(default_factory=dict)  # req_id -> token mask (structured output)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -74,6 +75,7 @@ def scheduler_output_to_wire(sched: SchedulerOutput) -> dict[str, Any]:
                    for c in sched.cached_requests],
         "scheduled": sched.num_scheduled_tokens,
         "finished": sched.finished_req_ids,
+        "grammar": sched.grammar_bitmasks,
     }
 
 
@@ -83,6 +85,7 @@ def scheduler_output_from_wire(data: dict[str, Any]) -> SchedulerOutput:
         cached_requests=[CachedRequestData(*c) for c in data["cached"]],
         num_scheduled_tokens=dict(data["scheduled"]),
         finished_req_ids=list(data["finished"]),
+        grammar_bitmasks=dict(data.get("grammar") or {}),
     )
 
 

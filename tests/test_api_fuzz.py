@@ -61,7 +61,12 @@ SAMPLING: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
     "user": (st.text(max_size=5), JSON_VALUES), "model": (st.just("tiny-llama"), st.sampled_from(["nope", ""])),
     "return_tokens_as_token_ids": (st.booleans(), JSON_VALUES),
     "logit_bias": (st.just({}), st.dictionaries(st.text(max_size=3), INTS, max_size=2)),
-    "response_format": (st.just({"type": "text"}), st.fixed_dictionaries({"type": st.sampled_from(["json_object"])})),
+    "response_format": (st.just({"type": "text"}), st.sampled_from([
+        {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, {"type": "xml"}])),
+    "guided_regex": (st.just("[a-z]{1,5}"), st.text(max_size=6)),
+    "guided_choice": (st.just(["yes", "no"]), st.lists(st.text(max_size=3), max_size=2)),
+    "guided_json": (st.just({"type": "object"}), JSON_VALUES),
 }
 COMPLETION = {**SAMPLING, "prompt": (TEXTS.filter(bool) | st.lists(st.text(min_size=1, max_size=10), min_size=1,
                                                                    max_size=3), PROMPTS),

@@ -91,7 +91,7 @@ def test_stream_options() -> None:
 def test_unsupported_features_are_rejected() -> None:
     bad(parse_completion_request, {"prompt": "x", "suffix": "y"})
     bad(parse_completion_request, {"prompt": "x", "logit_bias": {"5": 10}})
-    bad(parse_chat_request, {"messages": CHAT, "response_format": {"type": "json_object"}})
+    bad(parse_chat_request, {"messages": CHAT, "response_format": {"type": "xml"}})
     bad(parse_chat_request, {"messages": CHAT, "tools": [{"type": "function"}]})
     assert parse_chat_request({"messages": CHAT, "tools": [], "response_format": {"type": "text"},
                                "logit_bias": {}}).messages

@@ -122,3 +122,21 @@ def test_streamed_text_equals_the_whole_text_on_multibyte_output(client: OpenAI)
     text = whole.choices[0].message.content
     assert "🎉" in text  # emoji span several byte-level tokens: a chunk boundary can fall inside one
     assert streamed == text and "\ufffd" not in streamed
+
+
+def test_structured_outputs_parse_with_real_weights(client: OpenAI) -> None:
+    """A json_schema answer from a real model parses and matches the schema (test_structured_output.py
+    covers the other kinds on the tiny model)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "country": {"type": "string", "maxLength": 40},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "country", "is_capital"], "additionalProperties": False}
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Give the capital of France as JSON with city, country, is_capital."}]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"
+    value = json.loads(reply.choices[0].message.content)
+    assert set(value) == {"city", "country", "is_capital"} and type(value["is_capital"]) is bool
+    assert isinstance(value["city"], str) and isinstance(value["country"], str)

@@ -117,6 +117,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         batch = self.input_batch.sampling_batch(inputs.sampled_states)
+        if sched.grammar_bitmasks:
+            batch.grammar_bitmasks = [sched.grammar_bitmasks.get(s.req_id) for s in inputs.sampled_states]
         tokens = self.sampler(logits, batch)
         for state, token in zip(inputs.sampled_states, tokens, strict=True):
             state.token_ids.append(token.token_id)

@@ -1,7 +1,7 @@
 """Turns a step's logits into tokens, per request: greedy, temperature, top-k, top-p, min-p, seeds,
-repetition/presence/frequency penalties, min_tokens, and logprobs with top-N.
+repetition/presence/frequency penalties, min_tokens, structured-output token masks, and logprobs with top-N.
 
-Order (as vLLM): raw logprobs -> min_tokens mask -> penalties -> temperature -> min_p -> top_k/top_p ->
+Order (as vLLM): grammar mask -> raw logprobs -> min_tokens mask -> penalties -> temperature -> min_p -> top_k/top_p ->
 sample. Sampling draws one exponential variate per vocabulary entry and takes argmax(p / q) (the
 Gumbel-max equivalent); a seeded request draws from its own generator, so its tokens do not depend
 on what else is in the batch.
@@ -32,6 +32,7 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     stop_token_masks: list[list[int]] = field(default_factory=list)
+    grammar_bitmasks: list[bytes | None] = field(default_factory=list)  # structured output: int32 bit words
 
     @property
     def all_greedy(self) -> bool:
@@ -50,6 +51,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         logits = logits.float()
+        if any(m is not None for m in batch.grammar_bitmasks):
+            logits = apply_grammar_bitmasks(logits, batch.grammar_bitmasks)
         raw_logprobs = None
         if any(n is not None for n in batch.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -90,6 +93,23 @@ class Sampler:
             q[row].exponential_(generator=gen or self.default_generator)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+
+def apply_grammar_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> torch.Tensor:
+    """Set to -inf the logits of the tokens a row's grammar forbids (bit i of its int32 words clear;
+    tokens past the mask's end are forbidden). Rows without a mask are untouched."""
+    rows = [row for row, mask in enumerate(masks) if mask is not None]
+    vocab = logits.shape[1]
+    words = torch.frombuffer(bytearray(b"".join(masks[row] for row in rows)), dtype=torch.int32)
+    words = words.view(len(rows), -1).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
