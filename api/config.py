@@ -18,7 +18,8 @@ class ApiConfig:
     (prompts x n) before 429; 429 too while every READY engine has `max_engine_waiting` requests
     waiting; 503 when the chosen engine's request stream holds `max_engine_backlog` messages. `api_key` None leaves every route open; with a key, every route but
     /health needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
-    requests carry their own chat template (the caller's Jinja runs here). `generation_config`:
+    requests carry their own chat template (the caller's Jinja runs here). `tool_call_parser` and
+    `enable_auto_tool_choice`: see `api.tools`. `generation_config`:
     see `api.generation_defaults`.
     """
 
@@ -35,6 +36,8 @@ class ApiConfig:
     public_metrics: bool = False
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 2.0
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     generation_config: str = field(default_factory=lambda: os.environ.get("REDSERVE_GENERATION_CONFIG", "auto"))
 
     def __post_init__(self) -> None:
@@ -59,6 +62,12 @@ class ApiConfig:
             raise ValueError("--generation-config must be auto or vllm")
         if self.chat_template_timeout <= 0:
             raise ValueError("--chat-template-timeout must be positive")
+        from api.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
     @property
     def model_name(self) -> str:
@@ -81,4 +90,6 @@ class ApiConfig:
                    public_metrics=args.public_metrics,
                    trust_request_chat_template=args.trust_request_chat_template,
                    chat_template_timeout=args.chat_template_timeout,
+                   tool_call_parser=getattr(args, "tool_call_parser", None),
+                   enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                    generation_config=getattr(args, "generation_config", "auto"))

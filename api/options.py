@@ -3,7 +3,8 @@
 Rules:
 - Importing this module is cheap (argparse and os only): ``redserve.cli`` imports it to build its parser.
 - Environment defaults: ``REDSERVE_REDIS_URL``, ``REDSERVE_API_KEY``, ``REDSERVE_KEY_PREFIX``; switches
-  from ``REDSERVE_PUBLIC_METRICS`` and ``REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE`` (1/true/yes turn them on).
+  from ``REDSERVE_PUBLIC_METRICS``, ``REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE`` and
+  ``REDSERVE_ENABLE_AUTO_TOOL_CHOICE`` (1/true/yes turn them on); ``REDSERVE_TOOL_CALL_PARSER``.
 - ``--log-level`` defaults to ``argparse.SUPPRESS`` so that ``redserve --log-level DEBUG api ...``
   (the top-level option) is not overwritten by a subcommand default.
 - Overload, per worker process: ``--max-concurrent-streams`` (alias ``--max-queued-requests``) slots
@@ -51,6 +52,7 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                         help="render chat templates that requests carry ('chat_template'): the caller's Jinja "
                              "runs in the server; refused (400) without this flag "
                              "(default: $REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1)")
+    add_tool_args(parser)
     parser.add_argument("--generation-config", choices=["auto", "vllm"],
                         default=os.environ.get("REDSERVE_GENERATION_CONFIG", "auto"),
                         help="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
@@ -72,6 +74,20 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted (413 above)")
     parser.add_argument("--log-level", default=argparse.SUPPRESS,
                         help="logging level (default: the top-level --log-level, else INFO)")
+
+
+def add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags (`api.tools`), shared by `redserve api` and `redserve serve`."""
+    from api.tool_parsers import TOOL_PARSERS
+
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                        default=os.environ.get("REDSERVE_TOOL_CALL_PARSER") or None,
+                        help="the model's tool-call format, parsed into tool_calls for tool_choice 'auto' "
+                             "(default: $REDSERVE_TOOL_CALL_PARSER)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        default=env_switch("REDSERVE_ENABLE_AUTO_TOOL_CHOICE"),
+                        help="allow tool_choice 'auto' (needs --tool-call-parser; without it 'auto' is a 400, "
+                             "as vLLM) (default: $REDSERVE_ENABLE_AUTO_TOOL_CHOICE=1)")
 
 
 def env_switch(name: str) -> bool:

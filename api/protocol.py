@@ -22,7 +22,9 @@ Rules:
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark or GBNF) and its
   `structured_outputs` dict ({json, regex, choice, grammar, json_object}); at most one. The grammar
   is compiled here once (llguidance): one that does not compile is a 400 naming the field.
-- Unsupported features that would change the answer (best_of != n, suffix, logit_bias, tools,
+- Tools: `tools`, `tool_choice`, `parallel_tool_calls` are read by `api.tools`; a forced choice
+  ("required" or a named function) becomes the request's structured output.
+- Unsupported features that would change the answer (best_of != n, suffix, logit_bias,
   non-text message parts) are a 400, never silently ignored.
 """
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import bad_request
+from api.tools import ToolRequest, parse_tool_request
 from broker.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_BYTES,
@@ -168,6 +171,7 @@ class ChatRequest(CommonRequest):
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: ToolRequest = field(default_factory=ToolRequest)
 
 
 def parse_completion_request(data: Any) -> CompletionRequest:
@@ -199,8 +203,7 @@ def parse_chat_request(data: Any) -> ChatRequest:
     """Parse and check a /v1/chat/completions body (raises ApiError 400)."""
     body = Body(data)
     _reject_unsupported(body)
-    if body.get("tools", "list"):
-        raise bad_request("tool calling is not supported by this server", param="tools")
+    tools = parse_tool_request(body.data)
     logprobs = body.get("logprobs", "bool", False)
     top_logprobs = body.get("top_logprobs", "int")
     if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
@@ -213,13 +216,18 @@ def parse_chat_request(data: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = body.get("max_tokens", "int")
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None)
+    if tools.forced:
+        if params.structured_output is not None:
+            raise bad_request("tool_choice 'required' or a named function cannot be combined with another "
+                              "structured output", param="tool_choice")
+        params = dataclasses.replace(params, structured_output=_checked_spec(tools.forced_spec(), "tools"))
     template_kwargs = dict(body.get("chat_template_kwargs", "dict", {}))
     if body.has("chat_template"):  # the caller's own template: refused unless the server trusts them
         template_kwargs["chat_template"] = body.get("chat_template", "str")
     return ChatRequest(**_common(body, params), messages=parse_messages(body),
                        add_generation_prompt=body.get("add_generation_prompt", "bool", True),
                        chat_template_kwargs=template_kwargs, logprobs=logprobs,
-                       top_logprobs=top_logprobs or 0)
+                       top_logprobs=top_logprobs or 0, tools=tools)
 
 
 def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int | None) -> SamplingParams:
@@ -319,6 +327,10 @@ def _structured_output(body: Body) -> dict[str, Any] | None:
     if not found:
         return None
     name, spec = found[0]
+    return _checked_spec(spec, name)
+
+
+def _checked_spec(spec: dict[str, Any], name: str) -> dict[str, Any]:
     from engine.structured_output import spec_error  # llguidance: loaded on the first constrained request
 
     error = spec_error(spec)

@@ -75,9 +75,10 @@ class ModelTokenizer:
         """The vocabulary strings of `token_ids` (e.g. byte-level 'Ġword')."""
         return [t if t is not None else "" for t in self.tokenizer.convert_ids_to_tokens(token_ids)]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, /,
-                    **template_kwargs: Any) -> str:
-        """The chat prompt text for `messages`; ValueError if it cannot be rendered (see the module rules).
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, /, **template_kwargs: Any) -> str:
+        """The chat prompt text for `messages` (and `tools`, OpenAI function tools, passed to the template
+        as ``tools``); ValueError if it cannot be rendered (see the module rules).
 
         A ``chat_template`` in `template_kwargs` is the caller's own template.
         """
@@ -86,12 +87,12 @@ class ModelTokenizer:
         if caller_template is None and not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions with a plain prompt")
         try:
-            template = self.tokenizer.get_chat_template(caller_template, template_kwargs.get("tools"))
+            template = self.tokenizer.get_chat_template(caller_template, tools or None)
             bound_template(template)
             with render_budget(self.render_timeout, self.max_render_chars):
                 return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                           add_generation_prompt=add_generation_prompt,
-                                                          **template_kwargs)
+                                                          tools=tools or None, **template_kwargs)
         except (jinja2.TemplateError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError,
                 RecursionError) as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from e

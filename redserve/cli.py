@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("REDSERVE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from api.options import env_switch
+    from api.options import add_tool_args, env_switch
 
     p = sub.add_parser("serve", help="run a whole single-node stack: Redis (embedded if needed), engines, API")
     _add_engine_config_args(p)
@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env_switch("REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE"),
                    help="render chat templates sent with requests (the caller's Jinja runs in the API); "
                         "refused with 400 otherwise (default: $REDSERVE_TRUST_REQUEST_CHAT_TEMPLATE=1)")
+    add_tool_args(p)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--generation-config", choices=["auto", "vllm"],
                    default=os.environ.get("REDSERVE_GENERATION_CONFIG", "auto"),

@@ -154,7 +154,8 @@ class Stack:
                "--workers", str(args.api_workers), "--max-queued-requests", str(args.max_queued_requests)]
         if args.served_model_name:
             api += ["--served-model-name", args.served_model_name]
-        api += _flags(args, [], ["public_metrics", "trust_request_chat_template"])
+        api += _flags(args, ["tool_call_parser"], ["public_metrics", "trust_request_chat_template",
+                                                   "enable_auto_tool_choice"])
         self._start("api", _cli(*log, *api, *prefix), {"REDSERVE_API_KEY": args.api_key} if args.api_key else {})
         names = [args.served_model_name] if args.served_model_name else []
         if not args.no_batch_worker:
