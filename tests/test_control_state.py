@@ -3,8 +3,8 @@
 Every reader (registry, load snapshot, coordinator, engine waves, `redserve status`, the client's engine
 cache, /health) meets each kind of garbage from a table (malformed set members, hashes with bad or
 missing fields, keys of the wrong type, bad JSON, bytes that are not UTF-8) next to one good engine: it
-keeps the good engine, skips the rest with one rate-limited warning, and never raises. Then the same
-through real processes: the coordinator, `redserve status`, and an engine + API + coordinator stack.
+keeps the good engine, skips the rest with one rate-limited warning, and never raises. The same through
+real processes (coordinator, `redserve status`, messages, a whole stack) is in test_control_state_processes.py.
 """
 
 from __future__ import annotations
@@ -12,25 +12,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
-import subprocess
-import threading
 import time
 
-import msgpack
 import pytest
 import redis
-import requests
-from stack_procs import poll, quiet_cli
+from stack_procs import poll
 
 from broker import log_limits
 from broker.client import BrokerClient
 from broker.control_state import INT_FIELDS, NUMBER_FIELDS, decode_fields, member_ids
-from broker.engine_link import STREAM_FIELD, RequestReader
 from broker.keys import RedisKeys, check_id
 from broker.load_balance import EngineLoad, read_lb_snapshot
-from broker.messages import AddRequest, EngineOutputs, RequestOutput, StartWave, encode
-from broker.redis_server import EmbeddedRedis
+from broker.messages import StartWave
 from broker.registry import EngineRegistry
 from engine.coordinator import Coordinator, CoordinatorConfig
 from engine.dp_wave import DpWaves
@@ -305,190 +298,3 @@ def test_a_stray_coordinator_lock_is_cleared_not_obeyed_for_ever(stray, redis_cl
     assert lock.acquire() and r.get(keys.coordinator_lock()) == b"me"
     other = LeaderLock(r, keys.coordinator_lock(), "other", ttl=2.0)
     assert not other.acquire(), "a live holder's lock (a string with a TTL) is never cleared"
-
-
-# ----------------------------------------------------------------------------------------- coordinator
-
-
-def test_coordinator_loop_survives_garbage_and_its_own_errors(redis_client, redis_keys, monkeypatch):
-    r, keys = redis_client, redis_keys
-    register_engine(r, keys, "0")
-    add_all_garbage(r, keys)
-    c = coordinator(r, keys)
-    real_all_engines, failures = c.registry.all_engines, [3]
-
-    def flaky_all_engines():
-        if failures[0]:
-            failures[0] -= 1
-            raise RuntimeError("something nobody foresaw")
-        return real_all_engines()
-
-    monkeypatch.setattr(c.registry, "all_engines", flaky_all_engines)
-    stop = threading.Event()
-    loop = threading.Thread(target=c.run, args=(stop,), daemon=True)
-    loop.start()
-    try:
-        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "the coordinator to write rs:lb")
-        assert failures[0] == 0 and loop.is_alive()
-        for _ in range(2):  # garbage again, in its own keys too: each time it rewrites them
-            written = lb_written_at(r, keys)
-            add_all_garbage(r, keys)
-            r.set(keys.wave(), "zzz")
-            poll(lambda w=written: lb_written_at(r, keys) > w and r.get(keys.wave()) == b"0"
-                 and sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "rs:lb, rs:wave, rs:coordinator rewritten")
-        assert loop.is_alive()
-    finally:
-        stop.set()
-        loop.join(10)
-    assert not loop.is_alive()
-
-
-def test_coordinator_process_keeps_running_with_garbage(redis_url, redis_client, redis_keys):
-    r, keys = redis_client, redis_keys
-    register_engine(r, keys, "0")
-    add_all_garbage(r, keys)
-    proc = subprocess.Popen(quiet_cli("coordinator", "--redis-url", redis_url, "--key-prefix", keys.prefix,
-                                      "--lock-ttl", "1.5"))
-    try:
-        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 20, "the coordinator to write rs:lb")
-        written = lb_written_at(r, keys)
-        add_all_garbage(r, keys)
-        poll(lambda: lb_written_at(r, keys) > written and sorted(read_lb_snapshot(r, keys)) == ["0"], 10,
-             "rs:lb rewritten")
-        assert proc.poll() is None
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=20)
-    assert code == 0
-
-
-# ----------------------------------------------------------------------------------------- redserve status
-
-
-def test_status_command_shows_the_good_engines_with_garbage_everywhere(redis_url, redis_client, redis_keys):
-    r, keys = redis_client, redis_keys
-    register_engine(r, keys, "0")
-    register_engine(r, keys, "1")
-    add_all_garbage(r, keys)
-    r.hset(keys.coordinator_lock(), "a", "b")
-    base = ["status", "--redis-url", redis_url, "--key-prefix", keys.prefix]
-    out = subprocess.run(quiet_cli(*base, "--json"), capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    status = json.loads(out.stdout)
-    assert [e["engine_id"] for e in status["engines"] if e["alive"]] == ["0", "1"]
-    assert status["coordinator"]["holder"] is None
-    assert "ignoring" in out.stderr  # the garbage is named on stderr, stdout stays JSON
-    text = subprocess.run(quiet_cli(*base), capture_output=True, text=True, timeout=60)
-    assert text.returncode == 0, text.stderr
-    rows = [line.split()[:3] for line in text.stdout.splitlines() if line.startswith("  ")]
-    assert ["0", "ready", "yes"] in rows and ["1", "ready", "yes"] in rows and "Traceback" not in text.stderr
-
-
-# ----------------------------------------------------------------------------------------- messages
-
-
-def test_garbage_on_the_request_stream_is_acked_and_dropped(redis_client, redis_keys):
-    r, keys = redis_client, redis_keys
-    reader = RequestReader(r, keys, "0")
-    reader.reset()
-    stream = keys.request_stream("0")
-    add = AddRequest("r1", "c1", [1, 2], {"max_tokens": 2}, time.time())
-    for fields in ({"x": "y"}, {STREAM_FIELD: b"garbage"}, {STREAM_FIELD: b"\xff\xfe"},
-                   {STREAM_FIELD: msgpack.packb({"t": "add", "v": 1, "request_id": 5})},
-                   {STREAM_FIELD: msgpack.packb([1, 2, 3])}, {STREAM_FIELD: encode(add)}):
-        r.xadd(stream, fields)
-    messages = reader.read(block_ms=0)
-    assert [m for _, m in messages] == [add]
-    assert r.xlen(stream) == 1 and r.xpending(stream, keys.consumer_group)["pending"] == 1  # the ADD only
-
-
-def test_garbage_on_the_output_channel_is_dropped_and_the_request_goes_on(redis_url, redis_client, redis_keys):
-    r, keys = redis_client, redis_keys
-    register_engine(r, keys, "0")
-    client = BrokerClient(redis_url, keys)
-    try:
-        assert client.wait_subscribed(10)
-        handle = client.submit(AddRequest("r1", "", [1, 2], {"max_tokens": 1}, time.time()))
-        channel = keys.output_channel(client.client_id)
-        for junk in (b"garbage", b"\xff", msgpack.packb({"t": "outputs", "v": 1, "engine_id": 3}),
-                     msgpack.packb({"t": "outputs", "v": 1, "engine_id": "0", "outputs": [[1]], "timestamp": 0,
-                                    "seq": 1})):
-            assert r.publish(channel, junk) == 1
-        out = RequestOutput("r1", 0, [7], "length", num_prompt_tokens=2)
-        r.publish(channel, encode(EngineOutputs("0", [out], time.time(), seq=1)))
-        got = handle.get(timeout=10)
-        assert got is not None and got.new_token_ids == [7] and got.error is None
-    finally:
-        client.stop()
-
-
-# ----------------------------------------------------------------------------------------- end to end
-
-
-def add_stack_garbage(r: redis.Redis, keys: RedisKeys) -> None:
-    """What the issue reported, and more: a malformed engine id, a bogus engine, rs:lb and rs:wave garbage."""
-    r.sadd(keys.engines(), "a:b", b"\xff")
-    fake_ready(r, keys, "bogus", max_model_len="lots", waiting="many")
-    r.set(keys.lb(), "notahash")
-    r.set(keys.wave(), "abc")
-    r.sadd(keys.clients(), "c:d")
-
-
-@pytest.fixture(scope="module")
-def garbage_stack(tiny_llama_dir, tmp_path_factory):
-    """Its own Redis + engine + API (1 worker) + coordinator, started with garbage already in Redis (so
-    every read from the first one meets it); the garbage must not reach other tests' stacks."""
-    from conftest import ApiStack
-
-    stack = ApiStack(tiny_llama_dir, tmp_path_factory.mktemp("garbage-stack-logs"), EmbeddedRedis().start())
-    try:
-        r = redis.Redis.from_url(stack.redis_url)
-        add_stack_garbage(r, RedisKeys())
-        r.close()
-        stack.start_engine()
-        stack.api, stack.base_url = stack.spawn_api("api", workers=1)
-        coordinator_proc = stack.spawn("coordinator", ["coordinator", "--redis-url", stack.redis_url])
-        stack.wait_healthy(stack.base_url, watch=(coordinator_proc,))
-        yield stack, coordinator_proc
-    finally:
-        stack.close()
-
-
-def test_stack_serves_through_garbage_and_health_says_why_it_cannot(garbage_stack):
-    stack, coordinator_proc = garbage_stack
-    keys, base = RedisKeys(), stack.base_url
-    r = redis.Redis.from_url(stack.redis_url)
-    try:
-        add_stack_garbage(r, keys)
-        r.xadd(keys.request_stream("0"), {"x": "y"})
-        r.xadd(keys.request_stream("0"), {STREAM_FIELD: b"garbage"})
-        model = requests.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-
-        served, until = 0, time.monotonic() + 1.5  # across refreshes of the API's engine cache (0.5 s)
-        while served < 2 or time.monotonic() < until:
-            resp = requests.post(f"{base}/v1/completions", timeout=60,
-                                 json={"model": model, "prompt": f"hello {served}", "max_tokens": 3,
-                                       "ignore_eos": True})
-            assert resp.status_code == 200, resp.text
-            assert resp.json()["usage"]["completion_tokens"] == 3
-            assert requests.get(f"{base}/health", timeout=10).status_code == 200
-            served += 1
-        poll(lambda: r.xlen(keys.request_stream("0")) == 0, 10, "the engine to drop the bad stream entries")
-        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "the coordinator to rewrite rs:lb")
-        assert coordinator_proc.poll() is None and stack.engine.poll() is None
-
-        stack.stop_engine()
-        seen = set()
-
-        def health_503() -> dict | None:
-            resp = requests.get(f"{base}/health", timeout=10)
-            seen.add(resp.status_code)
-            return resp.json() if resp.status_code == 503 else None
-
-        body = poll(health_503, 30, "/health to answer 503")
-        assert seen <= {200, 503}
-        assert body["ready_engines"] == 0 and "no engine is ready" in body["status"]
-        assert coordinator_proc.poll() is None and stack.api.poll() is None
-    finally:
-        r.close()
