@@ -455,3 +455,17 @@ def test_the_api_never_imports_torch(tiny_llama_dir) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_whose_last_delta_has_no_text_still_carries_finish_reason(tiny_llama_dir, tokenizer, text_tokens,
+                                                                         route) -> None:
+    """The stop token is hidden, so the finishing output adds no text: a chunk must still say why it ended."""
+    stop_token = 2  # any id: the output that finishes with "stop" hides its last token
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script([*text_tokens[:3], stop_token], finish="stop")))
+    body = {"max_tokens": 8, "stream": True}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"}
+    events = sse_events(http.post(route, json=body))
+    assert events[-1] == "[DONE]"
+    finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"] is not None]
+    assert finishes == ["stop"]

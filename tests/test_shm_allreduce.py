@@ -62,3 +62,35 @@ def test_shm_collectives_match_gloo_and_leave_no_segment(world: int) -> None:
         assert results[rank]["failures"] == []
         assert results[rank]["fits_small"] and not results[rank]["fits_big"]
     assert {n for n in os.listdir("/dev/shm") if n.startswith("rs_ar_")} == before
+
+
+def _input(rank: int, step: int, numel: int) -> torch.Tensor:
+    return torch.full((numel,), float(rank + 1), dtype=torch.float32) * (step % 13 + 1)
+
+
+def _back_to_back_worker(rank: int, world: int, port: int, results: dict) -> None:
+    """Collectives with nothing in between: a fast rank starts the next one while a slower rank may
+    still be reading the last; the double buffer keeps it from overwriting what is being read."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    comm = ShmCommunicator(rank, world)
+    try:
+        numel = 1 << 20
+        wrong = []
+        for step in range(150):
+            got = comm.all_reduce(_input(rank, step, numel))
+            if rank == 1:  # the slow reader: checks every element before the next collective
+                expected = sum(r + 1 for r in range(world)) * (step % 13 + 1)
+                if not bool((got == expected).all()):
+                    wrong.append(step)
+        results[rank] = wrong
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
+def test_back_to_back_collectives_never_read_a_slot_being_rewritten() -> None:
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.start_processes(_back_to_back_worker, args=(2, _port(), results), nprocs=2, start_method="spawn")
+    assert results[1] == []
