@@ -146,10 +146,3 @@ def run_api(args: argparse.Namespace) -> int:
     finally:
         if os.getpid() == master_pid:  # workers leave through here too (gunicorn's sys.exit after fork)
             shutil.rmtree(metrics_dir, ignore_errors=True)
-
-
-def create_app(config: ApiConfig):
-    """The Flask app without gunicorn (tests, embedding); see `api.app.create_app`."""
-    from api.app import create_app as _create_app
-
-    return _create_app(config)

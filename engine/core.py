@@ -40,7 +40,6 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     histograms: dict = field(default_factory=dict)  # engine.step_metrics.StepMetrics.wire()
-    extra: dict = field(default_factory=dict)
 
 
 class EngineCore:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.messages import RequestOutput as EngineOutput
@@ -57,7 +59,9 @@ class LLM:
         return self.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+        """``use_tqdm`` (as vLLM): a progress bar on stderr (prompts done, input and output tokens/s);
+        False for none, or a callable that makes the bar (``tqdm.tqdm``'s signature)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -73,9 +77,15 @@ class LLM:
                 request_id, prompt if isinstance(prompt, str) else None, token_ids,
                 [CompletionOutput(i) for i in range(params.n)])
         params_by_id = dict(zip(results, params_list, strict=True))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                self._apply(results[out.request_id], out, params_by_id[out.request_id])
+        progress = _Progress(use_tqdm, len(results))
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    result = results[out.request_id]
+                    self._apply(result, out, params_by_id[out.request_id])
+                    progress.update(result, len(out.new_token_ids))
+        finally:
+            progress.close()
         for result, params in zip(results.values(), params_list, strict=True):
             for completion in result.outputs:
                 if completion.text == "":
@@ -111,6 +121,33 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class _Progress:
+    """The progress bar of one ``generate`` call: a tick per finished request, vLLM's speed postfix."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., tqdm], total: int):
+        make = use_tqdm if callable(use_tqdm) else tqdm
+        self.bar = make(total=total, desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        self.done: set[str] = set()
+        self.input_tokens = self.output_tokens = 0
+
+    def update(self, result: RequestOutput, new_tokens: int) -> None:
+        if self.bar is None:
+            return
+        self.output_tokens += new_tokens
+        if not result.finished or result.request_id in self.done:
+            return
+        self.done.add(result.request_id)
+        self.input_tokens += len(result.prompt_token_ids)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.output_tokens / elapsed:.2f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _as_prompt_list(prompts) -> list:

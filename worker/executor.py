@@ -27,8 +27,6 @@ class Executor(Protocol):
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]: ...
 
-    def check_health(self) -> None: ...
-
     def shutdown(self) -> None: ...
 
 
@@ -47,9 +45,6 @@ class UniprocExecutor:
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
         return [getattr(self.runner, method)(*args)]
-
-    def check_health(self) -> None:
-        return None
 
     def shutdown(self) -> None:
         self.runner.kv_caches = []

@@ -157,10 +157,6 @@ class MultiprocExecutor:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"TP rank {rank} did not reply within {timeout}s") from None
 
-    def check_health(self) -> None:
-        if self.failure:
-            raise WorkerDied(self.failure)
-
     def shutdown(self) -> None:
         if self._closed:
             return

@@ -43,7 +43,6 @@ from worker.shm_ring import (
     WRITER_MAX_SLEEP_SECONDS,
     QueueClosed,
     ShmRing,
-    cleanup_stale_segments,
     wait_until,
 )
 
@@ -54,7 +53,6 @@ __all__ = [
     "QueueClosed",
     "QueueCorrupted",
     "QueueHandle",
-    "cleanup_stale_segments",
 ]
 
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20

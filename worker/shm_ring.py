@@ -30,8 +30,7 @@ at interpreter exit (a forked child inheriting the object never unlinks). SIGTER
 unless the process turns it into SystemExit. Non-owners only unmap it and never register it with
 multiprocessing's resource tracker (which would otherwise unlink it, or warn, when they exit).
 A SIGKILLed owner cannot clean up: the resource tracker it registered with unlinks the segment
-once every process sharing that tracker has exited, and ``cleanup_stale_segments(tag)`` unlinks
-at once the tag's segments whose creator pid is dead.
+once every process sharing that tracker has exited.
 """
 
 from __future__ import annotations
@@ -87,44 +86,6 @@ def segment_name(tag: str) -> str:
     if not _TAG_RE.fullmatch(tag):
         raise ValueError(f"queue tag {tag!r} must match [A-Za-z0-9.-]{{1,64}} (e.g. an engine id)")
     return f"{NAME_PREFIX}_{tag}_{os.getpid()}_{secrets.token_hex(4)}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cleanup_stale_segments(tag: str, shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink this tag's segments whose creating process is gone; return their names.
-
-    For owners killed without a chance to clean up (SIGKILL, OOM). Only pass tags you own:
-    a process in another pid namespace sharing /dev/shm would look dead.
-    """
-    pattern = re.compile(rf"{NAME_PREFIX}_{re.escape(tag)}_(\d+)_[0-9a-f]{{8}}")
-    try:
-        entries = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return []
-    removed = []
-    for entry in sorted(entries):
-        match = pattern.fullmatch(entry)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            # Attach tracked then unlink: this clears any registration the dead owner left in a
-            # resource tracker we share with it (the usual case: its parent cleans up).
-            shm = SharedMemory(name=entry)
-        except FileNotFoundError:
-            continue
-        shm.close()
-        shm.unlink()
-        removed.append(entry)
-    return removed
 
 
 def attach_untracked(name: str) -> SharedMemory:
