@@ -19,6 +19,7 @@ WORKDIR /opt/redserve
 COPY pyproject.toml README.md ./
 COPY api ./api
 COPY broker ./broker
+COPY common ./common
 COPY engine ./engine
 COPY worker ./worker
 COPY redserve ./redserve

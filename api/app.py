@@ -53,7 +53,8 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
     app.json.sort_keys = False
     state = state or ApiState(config)
     app.extensions[STATE_KEY] = state
-    collector = EngineStatsCollector(config.model_name, state.live_engines, state.child_restarts)
+    collector = EngineStatsCollector(config.model_name, state.live_engines, state.child_restarts,
+                                     state.routing_counts)
     created = int(time.time())
 
     open_paths = {"/health", "/metrics"} if config.public_metrics else {"/health"}

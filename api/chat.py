@@ -5,17 +5,21 @@ Rules:
   the body says otherwise; ``chat_template_kwargs`` are passed to the template), then tokenized
   without adding special tokens (the template writes them).
 - `logprobs: true` (+ `top_logprobs` N) gives OpenAI's chat logprobs (`logprobs.content`).
+- vLLM's `prompt_logprobs` K (non-streamed only) adds one top-level `prompt_logprobs` list for the
+  rendered prompt, as vLLM: ``[None, {token_id: {logprob, rank, decoded_token}}, ...]``.
 - Streaming: first a chunk per choice with ``delta: {"role": "assistant", "content": ""}``, then
   content deltas, each choice's last chunk carrying its finish_reason; `stream_options.include_usage`
   adds a last chunk with empty choices and the usage.
 - Tools (`api.tools`): with tool_choice other than "none", each choice's text is read for tool calls
   (the server's parser for "auto", the constrained JSON for "required" / a named function). Found
-  calls become the message's `tool_calls` (ids ``call_<hex>``, arguments a JSON string), the rest of
-  the text its `content` (null when empty), and finish_reason "tool_calls". Streamed, content
-  before any call marker is sent as it comes; from a marker (or a forced choice's first token) on,
-  the text is held back until the choice finishes (calls are only known whole), then sent in
-  OpenAI's delta format: the rest of the content, then per call one delta with index, id, type and
-  function.name (arguments ""), one with its arguments, and the finish_reason.
+  calls become the message's `tool_calls` (ids ``call_<hex>``, arguments a JSON string as the model
+  wrote it), the rest of the text its `content` (null when empty), and finish_reason "tool_calls".
+  Streamed, content before any call marker is sent as it comes; from a marker (or a forced choice's
+  first token) on, the calls go out as they are written, in OpenAI's delta format: per call one delta
+  with index, id, type and function.name (arguments "") once the name is written, then its arguments
+  in pieces as they come (`api.tools.ToolRequest.partial_calls`); at the end, any other content and
+  the finish_reason. Streamed calls cannot be taken back: a call cut short (max_tokens) ends as far as
+  it went, with that finish_reason, where the non-streamed answer shows the text as content.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from flask import Response, jsonify
 
 from api.errors import bad_request
 from api.generation import SequenceDelta
-from api.logprobs import chat_logprobs
+from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatRequest, parse_chat_request
 from api.serving import (
     ChoiceResult,
@@ -48,7 +52,7 @@ from api.serving import (
     usage,
 )
 from api.state import ApiState
-from api.tool_parsers import ExtractedToolCalls
+from api.tool_parsers import ExtractedToolCalls, PartialCall, ToolCall
 from api.tools import check_auto_allowed, tool_call_dicts
 
 
@@ -63,7 +67,7 @@ def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable
         prompt = render_prompt(state, request, max_model_len)
         params = fit_params(state, [prompt], request.params, max_model_len)
         run = start_run(state, [prompt], params, request_id, is_disconnected, slots)
-    view = _ChatView(state, request, run, request_id)
+    view = _ChatView(state, request, run, request_id, prompt)
     if request.stream:
         return sse_response(sse_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
     return jsonify(view.response(collect(run)))
@@ -83,16 +87,18 @@ def render_prompt(state: ApiState, request: ChatRequest, max_model_len: int | No
 class _ChatView:
     """Renders one chat request's choices, chunks and usage."""
 
-    def __init__(self, state: ApiState, request: ChatRequest, run: Run, request_id: str) -> None:
+    def __init__(self, state: ApiState, request: ChatRequest, run: Run, request_id: str, prompt: list[int]) -> None:
         self.state = state
         self.request = request
         self.run = run
+        self.prompt = prompt
         self.id = request_id
         self.created = int(time.time())
         self._token_name = token_namer(state, request.return_tokens_as_token_ids)
         self._parses_tools = request.tools.choice != "none"
         self._held_text: dict[int, str] = {}
         self._sent_chars: dict[int, int] = {}
+        self._streamed_calls: dict[int, list[str]] = {}
 
     def _logprobs(self, token_ids: list[int], entries: list | None) -> dict[str, Any] | None:
         if not self.request.logprobs:
@@ -119,7 +125,11 @@ class _ChatView:
             choices.append({"index": r.index, "message": message, "logprobs": self._logprobs(r.token_ids, r.logprobs),
                             "finish_reason": "tool_calls" if found.calls else r.finish_reason,
                             "stop_reason": r.stop_reason})
-        return {**self._envelope("chat.completion", choices), "usage": usage(self.run)}
+        answer = {**self._envelope("chat.completion", choices), "usage": usage(self.run)}
+        if self.request.show_prompt_logprobs:  # one prompt for all the choices: the first entries that came
+            entries = next((r.prompt_logprobs for r in results if r.prompt_logprobs is not None), None)
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(self._token_name, self.prompt, entries)
+        return answer
 
     def role_chunks(self) -> list[dict[str, Any]]:
         return [self._envelope("chat.completion.chunk", [
@@ -139,36 +149,59 @@ class _ChatView:
         return [self._envelope("chat.completion.chunk", [choice])]
 
     def _tool_chunks(self, delta: SequenceDelta) -> list[dict[str, Any]]:
-        """Hold the text back until the choice finishes; then its content and tool-call deltas."""
+        """Content up to any call marker as it comes, then the calls as they are written (see the rules)."""
         text = self._held_text.get(delta.index, "") + delta.text
         self._held_text[delta.index] = text
         sent = self._sent_chars.get(delta.index, 0)
         logprobs = self._logprobs(delta.token_ids, delta.logprobs) if delta.token_ids else None
+        parser = self.state.config.tool_call_parser
         if delta.finish_reason is None:
-            ready = max(sent, self.request.tools.content_prefix(text, self.state.config.tool_call_parser))
+            ready = max(sent, self.request.tools.content_prefix(text, parser))
             self._sent_chars[delta.index] = ready
-            if ready == sent and not self.request.logprobs:
+            deltas = [{"content": text[sent:ready]}] if ready > sent else []
+            deltas += self._call_deltas(delta.index, self.request.tools.partial_calls(text, parser))
+            if not deltas and not self.request.logprobs:
                 return []
-            return [self._envelope("chat.completion.chunk", [
-                {"index": delta.index, "delta": {"content": text[sent:ready]} if ready > sent else {},
-                 "logprobs": logprobs, "finish_reason": None}])]
+            return self._chunks(delta.index, deltas or [{}], logprobs, None)
         found = self._tool_calls(text)
+        streamed = self._streamed_calls.get(delta.index)
         if not found.calls:
-            content = text[sent:]
+            content = None if streamed else text[sent:]  # a call cut short stays as far as it was streamed
+            partial = self.request.tools.partial_calls(text, parser) if streamed else []
         elif found.content and found.content.startswith(text[:sent]):
-            content = found.content[sent:]
+            content, partial = found.content[sent:], [PartialCall(c.name, c.arguments) for c in found.calls]
         else:
             content = None if sent else found.content
-        deltas: list[dict[str, Any]] = [{"content": content}] if content else []
-        for i, call in enumerate(tool_call_dicts(found.calls)):
-            name = {"name": call["function"]["name"], "arguments": ""}
-            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function", "function": name}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
-        chunks = [self._envelope("chat.completion.chunk", [
-            {"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in deltas]
+            partial = [PartialCall(c.name, c.arguments) for c in found.calls]
+        deltas = [{"content": content}] if content else []
+        deltas += self._call_deltas(delta.index, partial)
         last = {"index": delta.index, "delta": {}, "logprobs": logprobs,
                 "finish_reason": "tool_calls" if found.calls else delta.finish_reason, "stop_reason": delta.stop_reason}
-        return [*chunks, self._envelope("chat.completion.chunk", [last])]
+        return [*self._chunks(delta.index, deltas, None, None), self._envelope("chat.completion.chunk", [last])]
+
+    def _call_deltas(self, index: int, calls: list[PartialCall]) -> list[dict[str, Any]]:
+        """OpenAI's tool-call deltas for what `calls` add to what this choice has sent: a call's index, id,
+        type and name once its name is known, then its arguments in pieces."""
+        streamed = self._streamed_calls.setdefault(index, [])  # [arguments sent] per call
+        deltas: list[dict[str, Any]] = []
+        for i, call in enumerate(calls):
+            if i == len(streamed):
+                if call.name is None:
+                    break
+                [header] = tool_call_dicts([ToolCall(call.name, "")])
+                deltas.append({"tool_calls": [{"index": i, **header}]})
+                streamed.append("")
+            arguments = call.arguments or ""
+            if len(arguments) > len(streamed[i]) and arguments.startswith(streamed[i]):
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": arguments[len(streamed[i]):]}}]})
+                streamed[i] = arguments
+        return deltas
+
+    def _chunks(self, index: int, deltas: list[dict[str, Any]], logprobs: dict | None,
+                finish_reason: str | None) -> list[dict[str, Any]]:
+        return [self._envelope("chat.completion.chunk", [
+            {"index": index, "delta": d, "logprobs": logprobs if k == len(deltas) - 1 else None,
+             "finish_reason": finish_reason}]) for k, d in enumerate(deltas)]
 
     def usage_chunks(self) -> list[dict[str, Any]]:
         if not self.request.include_usage:

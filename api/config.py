@@ -19,7 +19,8 @@ class ApiConfig:
     waiting; 503 when the chosen engine's request stream holds `max_engine_backlog` messages. `api_key` None leaves every route open; with a key, every route but
     /health needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
     requests carry their own chat template (the caller's Jinja runs here). `tool_call_parser` and
-    `enable_auto_tool_choice`: see `api.tools`. `generation_config`:
+    `enable_auto_tool_choice`: see `api.tools`. `max_migrations`: how many times a started request may
+be resumed on another engine when its engine goes (`broker.client_migration`; 0: never). `generation_config`:
     see `api.generation_defaults`.
     """
 
@@ -32,6 +33,7 @@ class ApiConfig:
     max_engine_waiting: int = 512
     max_engine_backlog: int = 10_000
     request_timeout: float = 600.0
+    max_migrations: int = 2
     max_body_bytes: int = 32 * 1024 * 1024
     public_metrics: bool = False
     trust_request_chat_template: bool = False
@@ -56,6 +58,8 @@ class ApiConfig:
             raise ValueError("--max-engine-waiting and --max-engine-backlog must be at least 1")
         if self.request_timeout <= 0:
             raise ValueError("--request-timeout must be positive")
+        if self.max_migrations < 0:
+            raise ValueError("--max-migrations must be 0 (never resume) or more")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
         if self.generation_config not in ("auto", "vllm"):
@@ -86,6 +90,7 @@ class ApiConfig:
                    key_prefix=args.key_prefix, api_key=args.api_key or None,
                    max_queued_requests=args.max_queued_requests, max_engine_waiting=args.max_engine_waiting,
                    max_engine_backlog=args.max_engine_backlog, request_timeout=args.request_timeout,
+                   max_migrations=getattr(args, "max_migrations", 2),
                    max_body_bytes=args.max_body_bytes,
                    public_metrics=args.public_metrics,
                    trust_request_chat_template=args.trust_request_chat_template,

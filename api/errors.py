@@ -22,7 +22,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable_error", 504: "timeout_error"}
 
-_ENGINE_STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ENGINE_ERROR: 500}
+_ENGINE_STATUS = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ENGINE_ERROR: 500,
+                  ErrorCode.ENGINE_FAILED: 500}
 
 
 class ApiError(Exception):

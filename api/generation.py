@@ -15,6 +15,9 @@ Rules:
   every `poll_interval` s) returning True raises `ClientDisconnected`. Both abort everything.
 - `close()` aborts whatever still runs and records the request's metrics; call it in a `finally`
   (or use `with`). completion_tokens counts the tokens consumed, up to a stop string's last token.
+- A request whose engine dies is resumed on another one by the broker client (`broker.client_migration`)
+  behind the same handle: its outputs just go on (no token twice, same index), so the detokenizer, the stop
+  strings and the counts here carry on across the move with nothing to do.
 """
 
 from __future__ import annotations

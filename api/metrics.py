@@ -22,12 +22,15 @@ ours (e.g. queue time is measured by our engine); a vLLM Grafana dashboard works
 | redserve:request_success_total{finished_reason} | vllm:request_success_total                  | counter, API   |
 | redserve:request_failure_total{reason}          | (none)                                      | counter, API   |
 | redserve:api_requests_in_flight                 | (none)                                      | gauge, API     |
+| redserve:request_migrations_total{reason}       | (none)                                      | counter, API   |
 | redserve:num_requests_running{engine}           | vllm:num_requests_running                   | gauge, engine  |
 | redserve:num_requests_waiting{engine}           | vllm:num_requests_waiting                   | gauge, engine  |
 | redserve:kv_cache_usage_perc{engine}            | vllm:kv_cache_usage_perc                    | gauge, engine  |
 | redserve:prefix_cache_queries_total{engine}     | vllm:prefix_cache_queries_total (tokens)    | counter, engine|
 | redserve:prefix_cache_hits_total{engine}        | vllm:prefix_cache_hits_total (tokens)       | counter, engine|
 | redserve:num_preemptions_total{engine}          | vllm:num_preemptions_total                  | counter, engine|
+| redserve:prefix_cache_hit_rate{engine}          | (none; hits / queries since engine start)   | gauge, engine  |
+| redserve:routing_decisions_total{engine,reason} | (none; reason cache / load, `rs:routing`)   | counter, Redis |
 | redserve:request_queue_time_seconds{engine}     | vllm:request_queue_time_seconds             | histogram, eng.|
 | redserve:request_prefill_time_seconds{engine}   | vllm:request_prefill_time_seconds           | histogram, eng.|
 | redserve:request_decode_time_seconds{engine}    | vllm:request_decode_time_seconds            | histogram, eng.|
@@ -52,6 +55,9 @@ Rules:
   (cumulative buckets kept by `engine.step_metrics`; one observation per sequence). A counter restarts
   from 0 with its engine (Prometheus' rate() handles resets). A malformed histogram is skipped with a
   rate-limited warning. If Redis cannot be read the scrape still succeeds, with ``redserve:broker_up 0``.
+- ``redserve:routing_decisions_total{engine,reason}``: requests the API processes routed to an engine
+  for its cached prefix (``cache``) or for its load (``load``), read at scrape time from ``{prefix}:routing``
+  (`broker.prefix_index.RoutingCounter`); only choices among two or more READY engines are counted.
 - ``redserve_child_restarts_total{child}`` (a counter): restarts of each child of ``redserve serve``,
   read at scrape time from the stack's Redis hash ``{prefix}:stack:restarts``; absent without a stack.
 """
@@ -111,6 +117,10 @@ REQUEST_SUCCESS = Counter("redserve:request_success", "Finished choices, by fini
                           [*_MODEL, "finished_reason"])
 REQUEST_FAILURE = Counter("redserve:request_failure", "Failed or abandoned requests, by reason.",
                           [*_MODEL, "reason"])
+REQUEST_MIGRATIONS = Counter("redserve:request_migrations",
+                             "Started requests resumed on another engine (`broker.client_migration`), by why "
+                             "their engine was declared gone: engine_exited, engine_failed, engine_restarted, "
+                             "heartbeat_expired.", [*_MODEL, "reason"])
 IN_FLIGHT = Gauge("redserve:api_requests_in_flight", "Generation requests in flight in the API.", _MODEL,
                   multiprocess_mode="livesum")
 
@@ -166,10 +176,12 @@ class EngineStatsCollector:
     """Gauges read from the engines' Redis hashes at scrape time; see the module rules."""
 
     def __init__(self, model_name: str, read_engines: Callable[[], list[dict[str, Any]]],
-                 read_restarts: Callable[[], dict[str, int]] | None = None) -> None:
+                 read_restarts: Callable[[], dict[str, int]] | None = None,
+                 read_routing: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
         self._model_name = model_name
         self._read_engines = read_engines
         self._read_restarts = read_restarts
+        self._read_routing = read_routing
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("redserve:broker_up", "1 if the API could read the engine registry from Redis.")
@@ -190,6 +202,9 @@ class EngineStatsCollector:
                                          labels=labels),
             "kv_usage": GaugeMetricFamily("redserve:kv_cache_usage_perc", "KV cache usage (0-1) of an engine.",
                                           labels=labels),
+            "prefix_cache_hit_rate": GaugeMetricFamily(
+                "redserve:prefix_cache_hit_rate", "Prompt tokens found in an engine's prefix cache / looked up "
+                "(since the engine started).", labels=labels),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily(
@@ -211,7 +226,23 @@ class EngineStatsCollector:
         yield ready
         yield from families.values()
         yield from self._histograms(engines)
+        yield from self._routing()
         yield from self._restarts()
+
+    def _routing(self) -> Iterator[Metric]:
+        try:
+            counts = self._read_routing() if self._read_routing is not None else {}
+        except Exception as e:  # noqa: BLE001 - a bad routing hash must not hide the engine gauges
+            logger.warning("metrics: cannot read the routing decisions from Redis: %s", e)
+            return
+        if counts:
+            counter = CounterMetricFamily("redserve:routing_decisions", "Requests routed to an engine for its "
+                                          "cached prefix (cache) or its load (load).",
+                                          labels=["model_name", "engine", "reason"])
+            for engine_id, reasons in sorted(counts.items()):
+                for reason, n in sorted(reasons.items()):
+                    counter.add_metric([self._model_name, engine_id, reason], n)
+            yield counter
 
     def _histograms(self, engines: list[dict[str, Any]]) -> Iterator[Metric]:
         families: dict[str, HistogramMetricFamily] = {}

@@ -70,6 +70,9 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                              "this many unread or in-flight requests (requests are never dropped unread)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds a request may run before it is failed and aborted")
+    parser.add_argument("--max-migrations", type=int, default=2,
+                        help="times a started request (streamed or not) may be resumed on another engine when its "
+                             "engine dies, from the tokens already delivered; 0 fails it with engine_gone instead")
     parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                         help="largest request body accepted (413 above)")
     parser.add_argument("--log-level", default=argparse.SUPPRESS,

@@ -16,7 +16,8 @@ Rules:
 - Completions: `max_tokens` absent -> 16 (OpenAI's default), null -> up to the context.
   `echo` with `logprobs` asks the engine for the prompt's logprobs (`prompt_logprobs`); `echo` with
   `max_tokens` 0 answers the prompt alone (one token is generated and dropped, as vLLM).
-  vLLM's `prompt_logprobs` (k) adds a `prompt_logprobs` list per choice, in vLLM's shape.
+  vLLM's `prompt_logprobs` (k) adds a `prompt_logprobs` list per choice, in vLLM's shape; on chat, one
+  list for the rendered prompt at the top of the (non-streamed only, as vLLM) response.
   Chat: `max_completion_tokens` wins over `max_tokens`; both absent -> up to the context.
 - Structured outputs: `response_format` text / json_object / json_schema (OpenAI's shapes), vLLM's
   `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (Lark or GBNF) and its
@@ -172,6 +173,7 @@ class ChatRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int = 0
     tools: ToolRequest = field(default_factory=ToolRequest)
+    show_prompt_logprobs: bool = False
 
 
 def parse_completion_request(data: Any) -> CompletionRequest:
@@ -210,8 +212,9 @@ def parse_chat_request(data: Any) -> ChatRequest:
         raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top_logprobs}", param="top_logprobs")
     if top_logprobs is not None and not logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-    if body.has("prompt_logprobs"):
-        raise bad_request("'prompt_logprobs' is supported on /v1/completions only", param="prompt_logprobs")
+    show_prompt_logprobs = body.has("prompt_logprobs")
+    if show_prompt_logprobs and body.get("stream", "bool", False):  # as vLLM
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
     max_tokens = body.get("max_completion_tokens", "int")
     if max_tokens is None:
         max_tokens = body.get("max_tokens", "int")
@@ -227,7 +230,7 @@ def parse_chat_request(data: Any) -> ChatRequest:
     return ChatRequest(**_common(body, params), messages=parse_messages(body),
                        add_generation_prompt=body.get("add_generation_prompt", "bool", True),
                        chat_template_kwargs=template_kwargs, logprobs=logprobs,
-                       top_logprobs=top_logprobs or 0, tools=tools)
+                       top_logprobs=top_logprobs or 0, tools=tools, show_prompt_logprobs=show_prompt_logprobs)
 
 
 def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int | None) -> SamplingParams:

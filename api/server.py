@@ -33,7 +33,7 @@ from gunicorn.app.base import BaseApplication
 
 from api.config import ApiConfig
 from api.options import THREAD_RESERVE
-from redserve.proctitle import set_title
+from common.proctitle import set_title
 
 logger = logging.getLogger(__name__)
 

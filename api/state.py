@@ -29,6 +29,7 @@ from api.config import ApiConfig
 from api.errors import ApiError
 from api.generation_defaults import describe as describe_generation_defaults
 from api.generation_defaults import load_generation_defaults
+from api.metrics import REQUEST_MIGRATIONS
 from api.prompt_bound import PromptCharBound
 from api.tokenizer import ModelTokenizer
 from broker.client import BrokerClient
@@ -36,6 +37,7 @@ from broker.connection import connect
 from broker.control_state import decode_fields, warn_bad
 from broker.errors import NoEngineAvailable
 from broker.keys import EngineState, RedisKeys
+from broker.prefix_index import read_routing_counts
 from broker.registry import EngineRegistry
 
 logger = logging.getLogger(__name__)
@@ -90,12 +92,17 @@ class ApiState:
         self._redis: redis.Redis | None = None
         self._lock = threading.Lock()
 
+    def _count_migration(self, reason: str, old_engine: str, new_engine: str) -> None:
+        REQUEST_MIGRATIONS.labels(self.config.model_name, reason).inc()
+
     @property
     def client(self) -> BrokerClient:
         with self._lock:
             if self._client is None:
                 self._client = BrokerClient(self.config.redis_url, self.keys,
-                                            max_stream_len=self.config.max_engine_backlog)
+                                            max_stream_len=self.config.max_engine_backlog,
+                                            max_migrations=self.config.max_migrations,
+                                            on_migration=self._count_migration)
             return self._client
 
     @property
@@ -143,6 +150,11 @@ class ApiState:
     def live_engines(self) -> list[dict[str, Any]]:
         """READY or DRAINING engines with a live heartbeat, read from Redis now (for /metrics)."""
         return self.registry.live_engines((EngineState.READY, EngineState.DRAINING))
+
+    def routing_counts(self) -> dict[str, dict[str, int]]:
+        """Cache-aware routing decisions per engine and reason, from Redis now (for /metrics)."""
+        _ = self.registry  # connects on first use
+        return read_routing_counts(self._redis, self.keys)
 
     def child_restarts(self) -> dict[str, int]:
         """Restarts of each child of `redserve serve`, from Redis now (for /metrics); {} without a stack."""

@@ -13,6 +13,8 @@ Rules:
   (one item when `parallel_tool_calls` is false); a named function asks for its parameters object.
   The calls are read straight from that JSON (no parser). Neither combines with another
   structured output (400).
+- Arguments are the raw JSON the model wrote; `partial_calls` gives them as far as a partial output
+  goes (`api.tool_parsers.PartialCall`), so streaming sends them as they are written.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import bad_request
-from api.tool_parsers import TOOL_PARSERS, ExtractedToolCalls, ToolCall, arguments_json, call_from_object
+from api.tool_parsers import (
+    TOOL_PARSERS,
+    ExtractedToolCalls,
+    PartialCall,
+    ToolCall,
+    call_from_object,
+    json_value_prefix,
+    scan_calls_array,
+    with_raw_arguments,
+)
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -64,6 +75,17 @@ class ToolRequest:
             return len(text)
         return TOOL_PARSERS[parser_name]().content_prefix(text) if self.choice == "auto" else 0
 
+    def partial_calls(self, text: str, parser_name: str | None) -> list[PartialCall]:
+        """The calls of a partial output as far as they go (none while they are not parsed)."""
+        if self.choice == "none" or (self.choice == "auto" and parser_name is None):
+            return []
+        if self.choice == "auto":
+            return TOOL_PARSERS[parser_name]().partial_calls(text)
+        start = len(text) - len(text.lstrip())
+        if self.choice == "function":
+            return [PartialCall(self.function_name, json_value_prefix(text, start)[0] if text[start:] else None)]
+        return scan_calls_array(text, start, ("parameters",)) if text[start:start + 1] == "[" else []
+
     def extract(self, text: str, parser_name: str | None) -> ExtractedToolCalls:
         """The calls and content of one output."""
         if self.choice == "none" or (self.choice == "auto" and parser_name is None):
@@ -74,12 +96,12 @@ class ToolRequest:
             value = json.loads(text)
         except ValueError:
             return ExtractedToolCalls(text or None)  # cut short (max_tokens): left as content
-        if self.choice == "function":
-            return ExtractedToolCalls(None, [ToolCall(self.function_name, arguments_json(value))])
+        if self.choice == "function" and isinstance(value, dict):
+            return ExtractedToolCalls(None, [ToolCall(self.function_name, text.strip())])
         calls = [call_from_object(v, ("parameters",)) for v in value] if isinstance(value, list) else [None]
         if not calls or None in calls:
             return ExtractedToolCalls(text or None)
-        return ExtractedToolCalls(None, calls)
+        return with_raw_arguments(ExtractedToolCalls(None, calls), self.partial_calls(text, parser_name))
 
 
 def parse_tool_request(data: dict[str, Any]) -> ToolRequest:

@@ -19,11 +19,19 @@ Rules:
     Redis is back it is sent again under a fresh id (`~rN`; the old id is aborted, since a Redis that
     only blinked may still hold it) to any READY engine, waiting up to `replace_wait` s for one;
   * `EngineOutputs.seq` from an engine skips a number -> output_lost, for that engine's requests;
-  * its engine's heartbeat expires or the engine restarts (new incarnation) -> the request is
-    re-placed on another engine if it has produced no output yet (at most `resubmit_limit` times),
-    else engine_gone. With no engine READY (DP=1 and its engine restarting) such a request waits up
-    to `replace_wait` seconds for one (the restarted engine counts), then ends with no_engine.
-    Liveness is checked every `liveness_interval` seconds.
+  * its engine is declared gone -> the request is re-placed on another engine if it has produced no
+    output yet (at most `resubmit_limit` times); if it has, its running sequences are resumed on
+    another engine from the tokens already delivered (`broker.client_migration`, at most
+    `max_migrations` times; 0 turns it off), else it ends with engine_gone. With no engine READY
+    (DP=1 and its engine restarting) such a request waits up to `replace_wait` seconds for one (the
+    restarted engine counts), then ends with no_engine.
+- An engine is declared gone when (checked by the maintenance thread):
+  * its process died: its presence subscription (`rs:engine:{id}:presence:{incarnation}`, held by
+    `broker.engine_presence` on a connection of its own) has no subscriber on two reads
+    `presence_interval` s apart: the kernel closed its socket, Redis dropped it at once;
+  * it failed as a whole (a TP worker died): its requests end with engine_failed outputs;
+  * it restarted (new incarnation) or its heartbeat expired (hung, paused, host or network lost):
+    read every `liveness_interval` s; the heartbeat TTL is the engine's `--heartbeat-ttl`.
 - `submit` raises `NoEngineAvailable` (no READY live engine), `BrokerUnavailable` (Redis
   unreachable or not subscribed within `subscribe_timeout`), `EngineOverloaded` (the engine's
   request stream holds `max_stream_len` messages), ValueError (duplicate request id, foreign client
@@ -44,7 +52,7 @@ import re
 import socket
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
@@ -67,6 +75,7 @@ from broker.messages import (
     encode,
     make_error,
 )
+from broker.prefix_index import PrefixIndexReader, RoutingCounter
 from broker.registry import EngineRegistry
 from broker.request_handle import Mailbox, RequestHandle
 
@@ -102,6 +111,9 @@ class BrokerClient:
         resubmit_limit: int = 1,
         replace_wait: float = 30.0,
         max_stream_len: int = 10_000,
+        max_migrations: int = 2,
+        presence_interval: float = 0.1,
+        on_migration: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.keys = keys or RedisKeys()
@@ -114,6 +126,9 @@ class BrokerClient:
         self._resubmit_limit = resubmit_limit
         self._replace_wait = replace_wait
         self._max_stream_len = max_stream_len
+        self._max_migrations = max_migrations
+        self._presence_interval = presence_interval
+        self._on_migration = on_migration
         self._bounded_xadd = None
 
         self._start_lock = threading.Lock()
@@ -128,6 +143,8 @@ class BrokerClient:
         self._last_seq: dict[str, int] = {}
         self._incarnations: dict[str, str] = {}
         self._pending_aborts: dict[str, set[str]] = {}
+        self._gone: dict[str, tuple[str | None, str]] = {}  # engine -> (incarnation, reason): declared gone early
+        self._liveness_due = threading.Event()  # set when an engine is declared gone between liveness checks
         self._redis: redis.Redis | None = None
         self._registry: EngineRegistry | None = None
         self.selector: EngineSelector | None = None
@@ -149,7 +166,9 @@ class BrokerClient:
             self._redis = connect(self.redis_url, client_name=f"redserve-client-{self.client_id}")
             self._registry = EngineRegistry(self._redis, self.keys)
             self._bounded_xadd = self._redis.register_script(_BOUNDED_XADD)
-            self.selector = EngineSelector(self._fetch_engines, self._engine_refresh, self._snapshot_max_age)
+            self.selector = EngineSelector(self._fetch_engines, self._engine_refresh, self._snapshot_max_age,
+                                           prefix_index=PrefixIndexReader(self._redis, self.keys),
+                                           count_decision=RoutingCounter(self._redis, self.keys))
             self._threads = [
                 threading.Thread(target=self._listener.run, name=f"broker-listener-{self.client_id}", daemon=True),
                 threading.Thread(target=self._maintenance.run, name=f"broker-maintenance-{self.client_id}", daemon=True),
@@ -202,7 +221,7 @@ class BrokerClient:
         elif add.client_id != self.client_id:
             raise ValueError(f"AddRequest.client_id {add.client_id!r} is not this client ({self.client_id!r})")
         payload = encode(add)
-        info = self._choose(engine_id)
+        info = self._choose(engine_id, add.prompt_token_ids)
         n = int(add.params.get("n", 1) or 1)
         mb = Mailbox(add=add, engine_id=info["engine_id"], incarnation=info.get("incarnation"), n=n)
         self._register(mb)
@@ -287,10 +306,10 @@ class BrokerClient:
         except redis.RedisError as e:
             raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
 
-    def _choose(self, engine_id: str | None) -> dict[str, Any]:
+    def _choose(self, engine_id: str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
         if engine_id is None:
             try:
-                info = self.selector.select()
+                info = self.selector.select(exclude=self._gone_engines(), token_ids=token_ids)
             except redis.RedisError as e:
                 raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
         else:
@@ -336,6 +355,11 @@ class BrokerClient:
                 self._incarnations[engine_id] = incarnation
                 self._last_seq.pop(engine_id, None)
 
+    def _gone_engines(self) -> list[str]:
+        """Engines declared gone before their registration says so (presence lost, engine failed)."""
+        with self._lock:
+            return list(self._gone)
+
     def _fetch_engines(self):
         return self._registry.live_engines(), read_lb_snapshot(self._redis, self.keys)
 
@@ -345,8 +369,9 @@ class BrokerClient:
         if mb.done:
             return
         mb.done = True
-        if self._mailboxes.get(mb.request_id) is mb:
-            del self._mailboxes[mb.request_id]
+        for rid in mb.routes:
+            if self._mailboxes.get(rid) is mb:
+                del self._mailboxes[rid]
         self.selector.on_finish(mb.engine_id)
 
     def _fail_locked(self, mb: Mailbox, code: ErrorCode, detail: str, abort: bool = True) -> None:
@@ -356,7 +381,7 @@ class BrokerClient:
         mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ERROR.value, error=error), True))
         self._finish_locked(mb)
         if abort:
-            self._pending_aborts.setdefault(mb.engine_id, set()).add(mb.request_id)
+            self._pending_aborts.setdefault(mb.engine_id, set()).update(mb.routes)
 
     def _end_aborted_locked(self, mb: Mailbox) -> None:
         if mb.done:
@@ -375,15 +400,19 @@ class BrokerClient:
             if mb.done:
                 return
             self._end_aborted_locked(mb)
-        self._send_aborts(mb.engine_id, [mb.request_id])
+            wire_ids = list(mb.routes)
+        self._send_aborts(mb.engine_id, wire_ids)
 
     def _expire(self, mb: Mailbox) -> None:
         with self._lock:
             self._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
 
     def _send_sequence_abort(self, mb: Mailbox, index: int) -> None:
+        with self._lock:
+            mb.abandoned.add(index)
+            wire_id, wire_index = mb.wire_id(index)
         try:
-            self._xadd(mb.engine_id, encode(AbortRequests([mb.request_id], self.client_id, index)))
+            self._xadd(mb.engine_id, encode(AbortRequests([wire_id], self.client_id, wire_index)))
         except redis.RedisError as e:
             logger.info("client %s: could not abort sequence %d of %s (%s)", self.client_id, index, mb.request_id, e)
 

@@ -3,7 +3,10 @@
 It subscribes once to `rs:out:{client_id}`, resubscribes with backoff when the subscription drops
 (failing every request and utility call in flight with broker_disconnected), and demuxes each
 `EngineOutputs` into the client's mailboxes: duplicates (seq not above the last one) are dropped and
-a skipped seq fails that engine's requests with output_lost.
+a skipped seq fails that engine's requests with output_lost. Outputs of a resumed request's continuations
+are renamed to the request's id and index (`Mailbox.routes`), and every token handed over is kept in
+`Mailbox.delivered`. An engine_failed output (the engine failed as a whole) declares its engine gone
+instead of ending a request that may still resume: the maintenance thread decides at once.
 
 `OutputListener` holds no state of its own besides the client: it reads and changes the client's
 shared state (`_mailboxes`, `_calls`, `_last_seq`, `_subscribed`) only under `client._lock`, and
@@ -20,7 +23,7 @@ import redis
 
 from broker.connection import connect
 from broker.log_limits import warn_every
-from broker.messages import EngineOutputs, ErrorCode, MessageError, RequestOutput, decode
+from broker.messages import EngineOutputs, ErrorCode, MessageError, RequestOutput, decode, error_code
 from broker.request_handle import Mailbox
 
 if TYPE_CHECKING:
@@ -120,7 +123,7 @@ class OutputListener:
                 # A request lost with Redis runs again under a fresh id: whatever still comes for the old
                 # one (an engine that had read the ADD before Redis went) is dropped, never mixed in.
                 if mb is not None and mb.engine_id == engine_id and not mb.lost_with_redis:
-                    self._deliver_locked(mb, out)
+                    self._route_locked(mb, out)
             for result in outs.utility_results:
                 call = c._calls.pop(result.call_id, None)
                 if call is not None:
@@ -137,7 +140,20 @@ class OutputListener:
             c._fail_locked(mb, ErrorCode.OUTPUT_LOST, f"{missing} output message(s) from engine {engine_id} were lost")
         c._fail_calls_locked(engine_id, f"output message(s) from engine {engine_id} were lost")
 
+    def _route_locked(self, mb: Mailbox, out: RequestOutput) -> None:
+        index = mb.routes.get(out.request_id)
+        if index is not None:  # a continuation: sequence `index` of the original request
+            out.request_id, out.index = mb.request_id, index
+        if out.error is not None and error_code(out.error) == ErrorCode.ENGINE_FAILED:
+            mb.engine_error = out.error
+            self._client._gone.setdefault(mb.engine_id, (mb.incarnation, "engine_failed"))
+            self._client._liveness_due.set()
+            return
+        self._deliver_locked(mb, out)
+
     def _deliver_locked(self, mb: Mailbox, out: RequestOutput) -> None:
+        if out.new_token_ids:
+            mb.delivered.setdefault(out.index, []).extend(out.new_token_ids)
         mb.got_output = True
         if out.finish_reason is not None:
             mb.finished_indices.add(out.index)

@@ -1,11 +1,14 @@
 """The maintenance thread of a `BrokerClient` (see the rules in `broker.client`).
 
 Every `_TICK` seconds it fails requests past their deadline (deadline_exceeded); while the output
-subscription is up it also refreshes the client heartbeat key (every `heartbeat_ttl / 3` s), checks
-engine liveness (every `liveness_interval` s: requests of a gone or restarted engine are re-placed
-if they have produced no output yet, else failed with engine_gone; with no engine READY to take them,
-they wait up to `replace_wait` s for one, e.g. the same engine restarted) and sends deferred ABORTs to
-engines that are live again.
+subscription is up it also refreshes the client heartbeat key (every `heartbeat_ttl / 3` s), reads the
+presence channels of the engines its requests are on (every `presence_interval` s; see
+`broker.engine_presence`), checks engine liveness (every `liveness_interval` s, and at once when an
+engine was declared gone by its presence or its engine_failed outputs: requests of a gone or restarted
+engine are re-placed if they have produced no output yet, resumed from their delivered tokens
+(`broker.client_migration`) if they have, else failed with engine_gone; with no engine READY to take
+them, they wait up to `replace_wait` s for one, e.g. the same engine restarted) and sends deferred
+ABORTs to engines that are live again.
 
 `Maintenance` holds no state of its own besides the client: it reads and changes the client's
 shared state (`_mailboxes`, `_incarnations`, `_last_seq`, `_pending_aborts`) only under
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from broker.client_migration import Migrator
 from broker.control_state import warn_bad
 from broker.errors import NoEngineAvailable
 from broker.log_limits import warn_every
@@ -42,11 +46,14 @@ class Maintenance:
 
     def __init__(self, client: BrokerClient) -> None:
         self._client = client
+        self._migrator = Migrator(client)
+        self._absent: set[tuple[str, str]] = set()  # (engine, incarnation) with no presence at the last read
 
     def run(self) -> None:
         c = self._client
         next_heartbeat = 0.0
         next_liveness = time.monotonic() + c._liveness_interval
+        next_presence = 0.0
         while not c._stopping.wait(_TICK):
             try:
                 self._expire_deadlines()
@@ -56,7 +63,11 @@ class Maintenance:
                 if now >= next_heartbeat:
                     self._heartbeat()
                     next_heartbeat = now + c._heartbeat_ttl / 3
-                if now >= next_liveness:
+                if now >= next_presence:
+                    self.check_presence()
+                    next_presence = now + c._presence_interval
+                if now >= next_liveness or c._liveness_due.is_set():
+                    c._liveness_due.clear()
                     self.check_engines()
                     next_liveness = time.monotonic() + c._liveness_interval
                 self.flush_aborts()
@@ -91,8 +102,38 @@ class Maintenance:
                 c._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED,
                                f"lost the connection to Redis and it was not back within {c._replace_wait:.0f} s")
 
+    def check_presence(self) -> None:
+        """Declare gone the engines (of requests in flight) whose presence channel was empty on two reads in a
+        row; forget that verdict if the channel fills again (the engine only lost its connection: Redis restarted)."""
+        c = self._client
+        with c._lock:
+            used = {(mb.engine_id, mb.incarnation) for mb in c._mailboxes.values() if mb.incarnation is not None}
+            exited = {(e, inc) for e, (inc, reason) in c._gone.items() if reason == "engine_exited"}
+        engines = c.selector.live_engines(max_age=float("inf"))
+        watched = sorted((e, inc) for e, inc in used | exited
+                         if engines.get(e, {}).get("presence") == 1 and engines[e].get("incarnation") == inc)
+        if not watched:
+            self._absent.clear()
+            return
+        try:
+            counts = c._redis.pubsub_numsub(*(c.keys.engine_presence(e, inc) for e, inc in watched))
+        except redis.RedisError as e:
+            logger.debug("client %s: presence check skipped: %s", c.client_id, e)
+            return
+        absent = {engine for engine, (_, count) in zip(watched, counts, strict=True) if count == 0}
+        gone = (absent & self._absent) - exited
+        self._absent = absent
+        with c._lock:
+            for engine_id, incarnation in exited - absent:
+                if c._gone.get(engine_id) == (incarnation, "engine_exited") and (engine_id, incarnation) in watched:
+                    del c._gone[engine_id]
+            for engine_id, incarnation in gone:
+                c._gone.setdefault(engine_id, (incarnation, "engine_exited"))
+        if gone:
+            c._liveness_due.set()
+
     def check_engines(self) -> None:
-        """Re-place or fail requests whose engine is no longer live (or restarted)."""
+        """Re-place, resume or fail requests whose engine is no longer live (or restarted)."""
         c = self._client
         try:
             live = c.selector.refresh()
@@ -101,7 +142,12 @@ class Maintenance:
             return
         replace: list[Mailbox] = []
         resend: list[Mailbox] = []
+        resume: list[tuple[Mailbox, str]] = []
         with c._lock:
+            for engine_id, (incarnation, _) in list(c._gone.items()):
+                if live.get(engine_id, {}).get("incarnation") != incarnation:
+                    del c._gone[engine_id]  # deregistered, declared dead or restarted: the registry knows now
+            live = {e: info for e, info in live.items() if e not in c._gone}
             for engine_id, incarnation in list(c._incarnations.items()):
                 if live.get(engine_id, {}).get("incarnation") != incarnation:
                     del c._incarnations[engine_id]
@@ -115,12 +161,32 @@ class Maintenance:
                     continue
                 if not mb.got_output and mb.resubmits < c._resubmit_limit:
                     replace.append(mb)
+                elif mb.got_output and (blocker := self._migrator.blocker(mb)) is None:
+                    mb.gone_reason = mb.gone_reason or self._reason_locked(mb, live)
+                    resume.append((mb, mb.gone_reason))
                 else:
-                    c._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone", abort=False)
+                    self._fail_gone_locked(mb, blocker if mb.got_output else None)
         for mb in replace:
             self._replace(mb)
         for mb in resend:
             self._replace(mb, after_outage=True)
+        for mb, reason in resume:
+            self._migrator.resume(mb, reason, self._wait_for_engine)
+
+    def _reason_locked(self, mb: Mailbox, live: dict) -> str:
+        """Why `mb`'s engine counts as gone: engine_exited, engine_failed, engine_restarted or heartbeat_expired."""
+        gone = self._client._gone.get(mb.engine_id)
+        if gone is not None and gone[0] == mb.incarnation:
+            return gone[1]
+        return "engine_restarted" if mb.engine_id in live else "heartbeat_expired"
+
+    def _fail_gone_locked(self, mb: Mailbox, blocker: str | None) -> None:
+        c = self._client
+        if mb.engine_error is not None:
+            c._fail_locked(mb, ErrorCode.ENGINE_FAILED, mb.engine_error.split(":", 1)[-1].strip(), abort=False)
+            return
+        why = f"; not resumed: {blocker}" if blocker else ""
+        c._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone{why}", abort=False)
 
     def _replace(self, mb: Mailbox, after_outage: bool = False) -> None:
         """Send `mb`'s ADD to a READY engine again. After a Redis outage (`after_outage`) any engine will do,
@@ -133,7 +199,7 @@ class Maintenance:
         cached = c.selector.live_engines(max_age=float("inf")).get(old, {})
         same_engine = cached.get("incarnation") == mb.incarnation and not after_outage
         try:
-            info = c.selector.select(exclude=[old] if same_engine else [])
+            info = c.selector.select(exclude=[old, *c._gone_engines()] if same_engine else c._gone_engines())
         except NoEngineAvailable:
             self._wait_for_engine(mb)
             return
@@ -145,6 +211,7 @@ class Maintenance:
             mb.engine_id, mb.incarnation = info["engine_id"], info.get("incarnation")
             mb.resubmits += 1
             mb.orphaned_at = None
+            mb.engine_error = mb.gone_reason = None
             if after_outage:
                 self._rename_locked(mb, f"{old_id.split('~r')[0]}~r{mb.resubmits}")
                 c._pending_aborts.setdefault(old, set()).add(old_id)
@@ -163,9 +230,11 @@ class Maintenance:
 
     def _rename_locked(self, mb: Mailbox, request_id: str) -> None:
         c = self._client
-        if c._mailboxes.get(mb.request_id) is mb:
-            del c._mailboxes[mb.request_id]
+        for rid in mb.routes:
+            if c._mailboxes.get(rid) is mb:
+                del c._mailboxes[rid]
         mb.add = dataclasses.replace(mb.add, request_id=request_id)
+        mb.routes = {request_id: None}
         mb.lost_with_redis = False
         c._mailboxes[request_id] = mb
 

@@ -11,6 +11,13 @@ deployments share one Redis. Layout, for prefix "rs" (all inspectable with plain
                                         incarnation, num_kv_blocks, block_size, max_model_len, ...)
                                         plus live counters (waiting, running, kv_usage, ...)
     rs:engine:{engine}:alive   string   heartbeat, value = the engine's incarnation, with a TTL
+    rs:engine:{engine}:blocks  set      prefix-cache index: the chained block hashes (int64, see
+                                        broker.prefix_hash) the engine's KV cache holds now; at most
+                                        num_kv_blocks members; written by the engine (broker.prefix_index),
+                                        deleted at (re)registration, deregistration and death, TTL
+                                        refreshed by the heartbeat
+    rs:routing                 hash     cache-aware routing decisions: "{engine}:{reason}" -> count
+                                        (reason cache / load), HINCRBY by the API processes
     rs:engines                 set      ids of registered engines
     rs:client:{client}:alive   string   heartbeat of an API process / Celery worker, with a TTL
     rs:clients                 set      ids of clients that have started
@@ -90,8 +97,18 @@ class RedisKeys:
     def engine_alive(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{check_id('engine', engine_id)}:alive"
 
+    def engine_presence(self, engine_id: str, incarnation: str) -> str:
+        """Pub/sub channel an engine incarnation stays subscribed to while its process lives (`engine_presence`)."""
+        return f"{self.prefix}:engine:{check_id('engine', engine_id)}:presence:{incarnation}"
+
+    def engine_blocks(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{check_id('engine', engine_id)}:blocks"
+
     def engines(self) -> str:
         return f"{self.prefix}:engines"
+
+    def routing(self) -> str:
+        return f"{self.prefix}:routing"
 
     def client_alive(self, client_id: str) -> str:
         return f"{self.prefix}:client:{check_id('client', client_id)}:alive"

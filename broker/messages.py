@@ -64,6 +64,7 @@ class ErrorCode(StrEnum):
     ENGINE_ERROR = "engine_error"  # the engine failed while running the request
     INVALID_REQUEST = "invalid_request"  # the engine rejected the request (bad params, too long)
     ENGINE_GONE = "engine_gone"  # the owning engine's heartbeat expired or it restarted
+    ENGINE_FAILED = "engine_failed"  # the engine failed as a whole (e.g. a TP worker died); clients may resume
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request ran past AddRequest.deadline
     BROKER_DISCONNECTED = "broker_disconnected"  # the client lost its output subscription
     OUTPUT_LOST = "output_lost"  # a gap in EngineOutputs.seq: some outputs never arrived

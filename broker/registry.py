@@ -17,6 +17,8 @@ Rules:
   engine hash of the wrong type or without a valid state/incarnation, is skipped with a rate-limited
   warning; a field that is not UTF-8 or not the number it must be is dropped. Reads raise only for
   Redis outages.
+- The prefix-cache index `rs:engine:{id}:blocks` (`broker.prefix_index`) is deleted by `register`
+  and `deregister`; the heartbeat keeps its TTL at 3 x ttl, so it outlives no dead engine for long.
 - Methods that write take an optional pipeline (`pipe`); without one they run immediately.
 """
 
@@ -91,7 +93,7 @@ class EngineRegistry:
         with self._lock:
             self._records[engine_id] = dict(record)
         p = pipe if pipe is not None else self._redis.pipeline(transaction=True)
-        p.delete(self.keys.engine(engine_id))
+        p.delete(self.keys.engine(engine_id), self.keys.engine_blocks(engine_id))  # a new incarnation's cache is empty
         p.hset(self.keys.engine(engine_id), mapping=record)
         p.sadd(self.keys.engines(), engine_id)
         if pipe is None:
@@ -140,9 +142,10 @@ class EngineRegistry:
         incarnation = record["incarnation"] if record else "unknown"
         p = self._redis.pipeline(transaction=False)
         p.set(self.keys.engine_alive(engine_id), incarnation, px=max(1, int(ttl * 1000)))
+        p.pexpire(self.keys.engine_blocks(engine_id), max(1, int(3 * ttl * 1000)))  # no-op without an index
         p.sadd(self.keys.engines(), engine_id)
         p.hmget(self.keys.engine(engine_id), "incarnation", "state")
-        stored, state = p.execute()[2]
+        stored, state = p.execute()[3]
         if state == EngineState.DEAD.value.encode() and stored == incarnation.encode():
             raise DeclaredDead(f"engine {engine_id} was declared dead (its heartbeat lapsed)")
         # Compare the incarnation, not the key's existence: after a restart a stats write can
@@ -158,7 +161,8 @@ class EngineRegistry:
         with self._lock:
             self._records.pop(engine_id, None)
         p = pipe if pipe is not None else self._redis.pipeline(transaction=True)
-        p.delete(self.keys.engine(engine_id), self.keys.engine_alive(engine_id), self.keys.request_stream(engine_id))
+        p.delete(self.keys.engine(engine_id), self.keys.engine_alive(engine_id), self.keys.request_stream(engine_id),
+                 self.keys.engine_blocks(engine_id))
         p.srem(self.keys.engines(), engine_id)
         if pipe is None:
             p.execute()

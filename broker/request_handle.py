@@ -4,6 +4,11 @@ The mailbox is filled by `BrokerClient` (its listener, deadline and liveness che
 read by exactly one caller thread (the Flask request thread or the Celery task). Every queue item
 is (output, last): `last` is decided once, by the client, so the handle never guesses whether a
 request is over.
+
+A mailbox is reached by one or more wire ids (`routes`): at first the request's own id (outputs keep
+their index); once its sequences were resumed on another engine (`broker.request_resume`), one
+continuation id per running sequence, each mapped to the sequence's index. `delivered` keeps every
+token handed to the caller, per index, which is what a continuation replays.
 """
 
 from __future__ import annotations
@@ -35,10 +40,34 @@ class Mailbox:
     resubmits: int = 0
     orphaned_at: float | None = None  # monotonic time its engine was found gone with no engine to take it
     lost_with_redis: bool = False  # no output yet when the subscription dropped: re-sent once Redis is back
+    routes: dict[str, int | None] = field(default_factory=dict)  # wire id -> index (None: the output's own)
+    delivered: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens handed to the caller
+    abandoned: set[int] = field(default_factory=set)  # indices the caller stopped (a stop string)
+    migrations: int = 0
+    engine_error: str | None = None  # its engine failed as a whole (engine_failed): the error, if not resumed
+    gone_reason: str | None = None  # why its engine was declared gone, kept until the request has moved
+
+    def __post_init__(self) -> None:
+        if not self.routes:
+            self.routes = {self.add.request_id: None}
 
     @property
     def request_id(self) -> str:
         return self.add.request_id
+
+    @property
+    def running(self) -> list[int]:
+        """Indices still generating (not finished, not stopped by the caller)."""
+        return [i for i in range(self.n) if i not in self.finished_indices and i not in self.abandoned]
+
+    def wire_id(self, index: int) -> tuple[str, int | None]:
+        """(wire id, index inside that wire request) that carries sequence `index`."""
+        for rid, mapped in self.routes.items():
+            if mapped is None:
+                return rid, index
+            if mapped == index:
+                return rid, 0
+        return self.request_id, index
 
     @property
     def deadline(self) -> float | None:
@@ -56,7 +85,8 @@ class RequestHandle:
     - `abort()` tells the owning engine to stop and ends the request here at once (a final output
       with finish_reason "abort"); idempotent. `close()` aborts if still running and forgets the
       request: call it in a `finally` (or use the handle as a context manager).
-    - `engine_id` can change if the request is re-placed because its engine died before answering.
+    - `engine_id` can change if the request is re-placed because its engine died before answering, or
+      resumed on another engine after it had started (`migrations` counts those moves).
     """
 
     def __init__(self, client: BrokerClient, mailbox: Mailbox) -> None:
@@ -71,6 +101,10 @@ class RequestHandle:
     @property
     def engine_id(self) -> str:
         return self._mb.engine_id
+
+    @property
+    def migrations(self) -> int:
+        return self._mb.migrations
 
     @property
     def finished(self) -> bool:

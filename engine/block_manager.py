@@ -10,13 +10,21 @@ Rules:
   so cached blocks are reused least-recently-freed first. A request's blocks are freed tail first, so a
   prefix outlives its tail.
 - Check/commit pairs: ``allocate_slots`` only changes state when it can satisfy the whole request.
+- Block hashes come from ``broker.prefix_hash`` (the API computes the same ones to route requests).
+- With ``track_events()`` on, every change to the set of cached hashes (``hash_to_block``'s keys) is
+  recorded in ``events`` (stored / removed / cleared) for the engine to publish; ``take_events``
+  returns and resets what changed since the last call, a hash stored then removed in between cancels.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
+from broker.prefix_hash import chain_hash
 from engine.request import Request
+
+__all__ = ["Block", "BlockManager", "CacheEvents", "chain_hash"]
 
 
 class Block:
@@ -29,8 +37,31 @@ class Block:
         self.token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, token_ids))
+@dataclass
+class CacheEvents:
+    """Changes to the cached hash set since the last take: `cleared` first, then stored/removed."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
+class _EventLog:
+    __slots__ = ("changes", "cleared")
+
+    def __init__(self) -> None:
+        self.changes: dict[int, bool] = {}  # hash -> stored (True) / removed (False); the last change wins
+        self.cleared = False
+
+    def take(self) -> CacheEvents:
+        events = CacheEvents([h for h, s in self.changes.items() if s], [h for h, s in self.changes.items() if not s],
+                             self.cleared)
+        self.changes = {}
+        self.cleared = False
+        return events
 
 
 class BlockManager:
@@ -45,6 +76,22 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._events: _EventLog | None = None
+
+    def track_events(self) -> None:
+        """Start recording cache changes; the first ``take_events`` resyncs (cleared + every cached hash)."""
+        self._events = _EventLog()
+        self.resync_events()
+
+    def resync_events(self) -> None:
+        """Make the next ``take_events`` describe the whole cache (after the published copy was lost)."""
+        if self._events is not None:
+            self._events.cleared = True
+            self._events.changes = dict.fromkeys(self.hash_to_block, True)
+
+    def take_events(self) -> CacheEvents:
+        """What changed since the last call (empty when not tracking)."""
+        return self._events.take() if self._events is not None else CacheEvents()
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +154,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
             del self.hash_to_block[block.block_hash]
+            if self._events is not None:
+                self._events.changes[block.block_hash] = False
         block.block_hash = None
         block.token_ids = ()
         block.ref_count = 1
@@ -125,7 +174,9 @@ class BlockManager:
                 continue
             block.block_hash = request.block_hashes[i]
             block.token_ids = tuple(request.token_ids[i * bs:(i + 1) * bs])
-            self.hash_to_block.setdefault(block.block_hash, block.block_id)
+            if self.hash_to_block.setdefault(block.block_hash, block.block_id) == block.block_id \
+                    and self._events is not None:
+                self._events.changes[block.block_hash] = True
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def free(self, request: Request) -> None:
@@ -142,6 +193,9 @@ class BlockManager:
         if self.num_free_blocks != self.num_blocks:
             return False
         self.hash_to_block.clear()
+        if self._events is not None:
+            self._events.changes = {}
+            self._events.cleared = True
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = ()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from broker.model_source import resolve_model_dir
+from engine.dtype_choice import DtypeChoice, choose_dtype
 
 _DTYPES = {
     "float32": torch.float32,
@@ -74,10 +75,15 @@ class EngineConfig:
         if self.kv_cache_memory is None and self.device == "cpu":
             self.kv_cache_memory = int(os.environ.get("REDSERVE_CPU_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES))
 
-    def torch_dtype(self, config_dtype: torch.dtype | str | None) -> torch.dtype:
-        """The dtype to run in: the explicit choice, else the checkpoint's (float32 if it names none)."""
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+    def dtype_choice(self, config_dtype: torch.dtype | str | None) -> DtypeChoice:
+        """The dtype to run in and why (the rule: ``engine.dtype_choice``); ``config_dtype`` is the
+        checkpoint's (float32 if it names none)."""
         if isinstance(config_dtype, torch.dtype):
-            return config_dtype
-        return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+            checkpoint = config_dtype
+        else:
+            checkpoint = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
+        requested = None if self.dtype == "auto" else _DTYPES[self.dtype]
+        return choose_dtype(requested, checkpoint, self.device)
+
+    def torch_dtype(self, config_dtype: torch.dtype | str | None) -> torch.dtype:
+        return self.dtype_choice(config_dtype).dtype

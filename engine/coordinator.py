@@ -13,7 +13,7 @@ Rules:
   complete (rules in `engine.coordinator_rules`).
 - An engine found dead (its heartbeat gone: `DeathWatch`) is marked state=dead (the hash is kept
   `dead_record_ttl` seconds for inspection), removed from `rs:engines` and its request stream is
-  deleted, by one Lua script that first checks the lock and that the engine has not come back.
+  deleted (and its prefix-cache index `rs:engine:{id}:blocks`), by one Lua script that first checks the lock and that the engine has not come back.
   Its requests are NOT re-sent from here: clients re-place those that had not started (they know
   which) and fail the others with engine_gone; re-sending here as well would run them twice.
 - Client ids whose heartbeat has expired are removed from `rs:clients` every `client_sweep_interval`.
@@ -52,7 +52,7 @@ from engine.coordinator_rules import DeathWatch, EngineReport, WaveTracker, buil
 logger = logging.getLogger(__name__)
 
 _MARK_DEAD = """
--- KEYS: lock, engine hash, engine alive key, engines set, request stream
+-- KEYS: lock, engine hash, engine alive key, engines set, request stream, prefix-cache index
 -- ARGV: lock token, engine id, incarnation, now, dead record ttl
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[2], 'incarnation') ~= ARGV[3] then return -2 end
@@ -61,7 +61,7 @@ local entries = redis.call('XLEN', KEYS[5])
 redis.call('HSET', KEYS[2], 'state', 'dead', 'dead_at', ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('SREM', KEYS[4], ARGV[2])
-redis.call('DEL', KEYS[5])
+redis.call('DEL', KEYS[5], KEYS[6])
 return entries
 """
 
@@ -234,7 +234,7 @@ class Coordinator:
         try:
             result = self._mark_dead(
                 keys=[k.coordinator_lock(), k.engine(r.engine_id), k.engine_alive(r.engine_id), k.engines(),
-                      k.request_stream(r.engine_id)],
+                      k.request_stream(r.engine_id), k.engine_blocks(r.engine_id)],
                 args=[self.id, r.engine_id, r.incarnation, round(time.time(), 3), self.config.dead_record_ttl])
         except redis.ResponseError as e:  # a key of the wrong type: skip this engine, keep ticking
             warn_bad(f"{k.engine(r.engine_id)}:mark-dead", "coordinator %s: cannot mark engine %s dead: %s",
@@ -287,7 +287,7 @@ def run_from_args(args) -> int:
     """`redserve coordinator`: run until SIGTERM/SIGINT, then hand the lock over."""
     from broker.connection import connect, wait_for_redis
     from broker.errors import BrokerUnavailable
-    from redserve.proctitle import set_title
+    from common.proctitle import set_title
 
     set_title("redserve-coordinator")
     try:

@@ -5,7 +5,9 @@ Threads (as vLLM's EngineCoreProc):
 2. busy loop (main thread): drain ``input_queue`` -> ``core.step()`` -> group outputs by client ->
    ``output_queue``. It blocks on the input queue only when there is no work.
 3. output thread: one pipeline per step: one PUBLISH per client with all its new tokens, the XACKs
-   of finished requests, the stats. Requests whose outputs reached no subscriber are aborted.
+   of finished requests, the stats. Before it, with the stats (~0.1 s) and whenever the engine is idle,
+   the prefix-cache changes (``broker.prefix_index``: the set ``rs:engine:{id}:blocks``). Requests
+   whose outputs reached no subscriber are aborted.
 
 Data parallelism: ``engine.dp_wave.DpWaves`` keeps this engine's wave (START_DP_WAVE to the others
 when it gets work outside a running wave) and runs lockstep dummy steps; the busy loop flushes the
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 from broker.connection import connect, wait_for_redis
 from broker.engine_link import OutputPublisher, RequestReader
+from broker.engine_presence import EnginePresence
 from broker.errors import BrokerUnavailable
 from broker.keys import EngineState, RedisKeys
 from broker.messages import (
@@ -41,11 +44,14 @@ from broker.messages import (
     UtilityResult,
     make_error,
 )
+from broker.prefix_index import PrefixIndexWriter
 from broker.registry import EngineHeartbeat, EngineRegistry
 from broker.sampling_params import SamplingParams
+from engine.block_manager import CacheEvents
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.dp_wave import IDLE_WAIT, DpWaves
+from worker.multiproc_executor import WorkerDied
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,7 @@ class StepBatch:
     ack_ids: list[str] = field(default_factory=list)
     stats: dict | None = None
     start_wave: StartWave | None = None
+    cache_events: CacheEvents | None = None
 
     def add(self, engine_id: str, client_id: str, output: RequestOutput) -> None:
         self._outputs(engine_id, client_id).outputs.append(output)
@@ -82,7 +89,7 @@ class StepBatch:
         return self.by_client[client_id]
 
     def __bool__(self) -> bool:
-        return bool(self.by_client or self.ack_ids or self.stats)
+        return bool(self.by_client or self.ack_ids or self.stats or self.cache_events)
 
 
 class EngineServer:
@@ -111,6 +118,11 @@ class EngineServer:
         self.waves = DpWaves(self.redis, self.keys, self.engine_id, lockstep=dp_lockstep)
         self._last_stats = 0.0
         self._last_deadline_check = 0.0
+        self.incarnation = ""
+        self.presence = EnginePresence(redis_url, self.keys, self.engine_id, lambda: self.incarnation)
+        self._index_lost = threading.Event()
+        self.prefix_index = PrefixIndexWriter(connect(redis_url), self.keys, self.engine_id, ttl=3 * heartbeat_ttl,
+                                              on_lost=self._index_lost.set)
 
     def run(self) -> int:
         """Serve until drained (returns 0) or until the engine fails (returns 1)."""
@@ -121,6 +133,7 @@ class EngineServer:
             return 1
         self.reader.reset()
         self._register()
+        self.presence.start()
         heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl,
                                     on_declared_dead=lambda: self.input_queue.put((_REJOIN, None))).start()
         try:
@@ -128,9 +141,11 @@ class EngineServer:
         except Exception:
             logger.exception("engine %s failed to start", self.engine_id)
             heartbeat.stop()
+            self.presence.stop()
             self.registry.deregister(self.engine_id)
             return 1
         self.waves.load()
+        self.core.block_manager.track_events()
         self._mark_ready()
         logger.info("engine %s READY: %d KV blocks of %d tokens, max_model_len %d", self.engine_id,
                     self.core.num_kv_blocks, self.config.block_size, self.core.max_model_len)
@@ -143,7 +158,9 @@ class EngineServer:
             self._busy_loop()
         except Exception as exc:
             logger.exception("engine %s failed", self.engine_id)
-            self._fail_all(make_error(ErrorCode.ENGINE_ERROR, f"engine {self.engine_id} failed: {exc}"))
+            # A dead TP worker is the machine's fault, not the requests': clients may resume them elsewhere.
+            kind = ErrorCode.ENGINE_FAILED if isinstance(exc, WorkerDied) else ErrorCode.ENGINE_ERROR
+            self._fail_all(make_error(kind, f"engine {self.engine_id} failed: {exc}"))
             code = 1
         self.stop_event.set()
         self.output_queue.put(None)
@@ -151,15 +168,19 @@ class EngineServer:
         threads[0].join(timeout=2)  # its read blocks 0.2 s at most: let it end before the stream is deleted
         heartbeat.stop()
         self.registry.deregister(self.engine_id)
+        self.presence.stop()
         self.core.shutdown()
         logger.info("engine %s stopped", self.engine_id)
         return code
 
     def _register(self) -> None:
-        self.registry.register(self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
-                                                "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl})
+        self.incarnation = self.registry.register(
+            self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
+                             "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl, "presence": 1})
 
     def _mark_ready(self) -> None:
+        if not self.presence.wait_subscribed(timeout=5.0):  # clients read a missing presence as a dead engine
+            logger.warning("engine %s: presence subscription not up after 5 s; marking READY anyway", self.engine_id)
         self.registry.mark_ready(self.engine_id, self.core.num_kv_blocks, self.config.block_size,
                                  self.core.max_model_len)
 
@@ -174,7 +195,8 @@ class EngineServer:
         self._abort_all(batch, make_error(ErrorCode.ENGINE_GONE, f"engine {self.engine_id} was declared dead"))
         batch.ack_ids.clear()
         self.reader.reset()
-        self._register()
+        self._register()  # deletes the prefix index: publish the whole cache again
+        self.core.block_manager.resync_events()
         self.registry.heartbeat(self.engine_id, self.heartbeat_ttl)
         self._mark_ready()
 
@@ -198,6 +220,9 @@ class EngineServer:
             batch = self.output_queue.get()
             if batch is None:
                 return
+            if batch.cache_events:  # before the outputs: a client that saw a request end finds its blocks
+                ev = batch.cache_events
+                self.prefix_index.publish(ev.stored, ev.removed, ev.cleared)
             receivers = self.publisher.publish(batch.by_client, batch.ack_ids, batch.stats)
             if batch.start_wave is not None:
                 self.waves.notify_others(batch.start_wave)
@@ -332,6 +357,8 @@ class EngineServer:
                 "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "histograms": s.histograms,
                 "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), "stats_at": round(time.time(), 3),
+                "prefix_index_bytes": self.prefix_index.sent_bytes,
+                "prefix_index_commands": self.prefix_index.sent_commands,
                 **self.waves.fields()}
 
     def _flush(self, batch: StepBatch, force_stats: bool = False) -> None:
@@ -339,6 +366,11 @@ class EngineServer:
         if force_stats or now - self._last_stats > 0.1:
             self._last_stats = now
             batch.stats = self._stats()
+        if batch.stats is not None or not self.core.has_unfinished_requests():
+            if self._index_lost.is_set():
+                self._index_lost.clear()
+                self.core.block_manager.resync_events()
+            batch.cache_events = self.core.block_manager.take_events() or None
         if batch:
             self.output_queue.put(batch)
 

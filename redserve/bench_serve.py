@@ -101,14 +101,41 @@ class Client:
         return result
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between ranks (numpy's default, as vLLM's
+    benchmark reports it); nan for no values."""
     if not values:
         return float("nan")
     values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+    rank = q / 100 * (len(values) - 1)
+    low = int(rank)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (rank - low)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    report = measure(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:32s} {value:.4g}" if isinstance(value, float) else f"{key:32s} {value}")
+    return 0 if report["failed"] == 0 else 1
+
+
+def bench_args(**overrides) -> argparse.Namespace:
+    """The ``redserve bench serve`` defaults with ``overrides`` (for callers that run it in-process)."""
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args([])
+    unknown = set(overrides) - set(vars(args))
+    if unknown:
+        raise ValueError(f"unknown bench option(s): {sorted(unknown)}")
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run the benchmark once and return the report (see `summarize`)."""
     client = Client(args.base_url, args.api_key)
     model = args.model or client.get_json("/v1/models")["data"][0]["id"]
     rng = random.Random(args.seed)
@@ -121,21 +148,18 @@ def run_bench(args: argparse.Namespace) -> int:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=args.concurrency)
+    try:
         futures = []
         for prompt in prompts:
             futures.append(pool.submit(one, prompt))
             if args.request_rate != float("inf"):
                 time.sleep(rng.expovariate(args.request_rate))
         results = [f.result() for f in futures]
+    finally:  # on Ctrl-C, return at once: threads blocked on a stream end when its server goes
+        pool.shutdown(wait=False, cancel_futures=True)
     duration = time.perf_counter() - start
-    report = summarize(results, duration, args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key:32s} {value:.4g}" if isinstance(value, float) else f"{key:32s} {value}")
-    return 0 if report["failed"] == 0 else 1
+    return summarize(results, duration, args)
 
 
 def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace) -> dict:
@@ -150,9 +174,9 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "completed": len(ok), "failed": len(errors), "first_error": errors[0] if errors else "",
         "duration_s": duration, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / duration,
         "request_per_s": len(ok) / duration,
-        "ttft_ms_p50": _pct([r.ttft for r in ok], 50) * ms, "ttft_ms_p99": _pct([r.ttft for r in ok], 99) * ms,
-        "tpot_ms_p50": _pct(tpots, 50) * ms, "tpot_ms_p99": _pct(tpots, 99) * ms,
-        "itl_ms_p50": _pct(itls, 50) * ms, "itl_ms_p99": _pct(itls, 99) * ms,
-        "e2e_ms_p50": _pct([r.e2e for r in ok], 50) * ms, "e2e_ms_p99": _pct([r.e2e for r in ok], 99) * ms,
+        "ttft_ms_p50": percentile([r.ttft for r in ok], 50) * ms, "ttft_ms_p99": percentile([r.ttft for r in ok], 99) * ms,
+        "tpot_ms_p50": percentile(tpots, 50) * ms, "tpot_ms_p99": percentile(tpots, 99) * ms,
+        "itl_ms_p50": percentile(itls, 50) * ms, "itl_ms_p99": percentile(itls, 99) * ms,
+        "e2e_ms_p50": percentile([r.e2e for r in ok], 50) * ms, "e2e_ms_p99": percentile([r.e2e for r in ok], 99) * ms,
         "ttft_ms_mean": statistics.fmean([r.ttft for r in ok]) * ms if ok else float("nan"),
     }

@@ -16,7 +16,9 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory or GGUF file (converted once, cached under "
                         "$REDSERVE_CACHE_DIR/gguf; default: $REDSERVE_MODEL, else the tiny test model)")
     g.add_argument("--dtype", default=env("REDSERVE_DTYPE", "auto"),
-                   choices=["auto", "float32", "bfloat16", "float16"])
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's bf16/fp16 on a GPU; on a CPU bf16 only for a bf16/fp16 checkpoint "
+                        "on a CPU with AMX/AVX512-BF16, else float32 (README 'dtype'; the choice is logged)")
     g.add_argument("--device", default=env("REDSERVE_DEVICE", "auto"), help="auto, cpu or cuda")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -61,8 +63,8 @@ def resolve_model(args: argparse.Namespace) -> None:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    from common.proctitle import set_title
     from engine.server import EngineServer
-    from redserve.proctitle import set_title
     if not args.redis_url:
         sys.exit("redserve engine: --redis-url (or REDSERVE_REDIS_URL) is required")
     resolve_model(args)
@@ -83,7 +85,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from redserve.stack_state import read_stack_state
+    from common.stack_state import read_stack_state
     from redserve.status import run_from_args
     if not args.redis_url:
         stack = read_stack_state()  # the running `redserve serve` on this machine, if any
@@ -111,8 +113,34 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return run_from_args(args)
 
 
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    """Cache-aware routing flags (`broker.load_balance`), passed to the API processes as REDSERVE_* variables."""
+    env = os.environ.get
+    p.add_argument("--routing", choices=["cache", "load"], default=env("REDSERVE_ROUTING", "cache"),
+                   help="cache: prefer the engine whose prefix cache holds the prompt's leading blocks, traded "
+                        "against its load; load: the least loaded engine only (default: $REDSERVE_ROUTING, else cache)")
+    p.add_argument("--cache-routing-weight", type=float, default=float(env("REDSERVE_CACHE_ROUTING_WEIGHT", 16.0)),
+                   help="load units (4 per waiting request, 1 per running one) a whole cached prompt is worth")
+    p.add_argument("--cache-routing-spill", type=float, default=float(env("REDSERVE_CACHE_ROUTING_SPILL", 1.25)),
+                   help="an engine loaded above this x the mean load (+ --cache-routing-slack) gets no cache bonus")
+    p.add_argument("--cache-routing-slack", type=float, default=float(env("REDSERVE_CACHE_ROUTING_SLACK", 4.0)))
+    p.add_argument("--cache-routing-probes", type=int, default=int(env("REDSERVE_CACHE_ROUTING_PROBES", 64)),
+                   help="prompt blocks looked up per engine at most (evenly spaced over a longer prompt)")
+
+
+def _export_routing(args: argparse.Namespace) -> None:
+    from broker.load_balance import RoutingConfig
+    try:
+        config = RoutingConfig(args.routing, args.cache_routing_weight, args.cache_routing_spill,
+                               args.cache_routing_slack, args.cache_routing_probes)
+    except ValueError as e:
+        sys.exit(f"redserve {args.command}: {e}")
+    os.environ.update(config.env())  # read by every API worker (`RoutingConfig.from_env`)
+
+
 def cmd_api(args: argparse.Namespace) -> int:
     from api.server import run_api
+    _export_routing(args)
     return run_api(args)
 
 
@@ -128,6 +156,7 @@ def _convert_gguf(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from redserve.stack import run_stack
     os.environ["REDSERVE_GENERATION_CONFIG"] = args.generation_config  # the API (and batch) children read it
+    _export_routing(args)
     return run_stack(args)
 
 
@@ -166,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "that leave them unset (as vLLM); vllm: ignore the file")
     p.add_argument("--max-concurrent-streams", "--max-queued-requests", dest="max_queued_requests", type=int,
                    default=64, help="generation slots (prompt x n) per API worker before 429 (see redserve api)")
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="times a started request may be resumed on another engine when its engine dies "
+                        "(0: fail it with engine_gone; see redserve api)")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="idle engines run dummy steps while any engine has work (set by the coordinator)")
     p.add_argument("--no-batch-worker", action="store_true", help="do not start a batch (Celery) worker")
@@ -173,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a child restarted this many times within --restart-window seconds that dies again "
                         "stops the stack (crash loop)")
     p.add_argument("--restart-window", type=float, default=60.0, help="seconds; see --max-restarts")
+    _add_routing_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("engine", help="run one engine (a DP rank); may run headless on another node")
@@ -211,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("api", help="run the OpenAI-compatible HTTP API (gunicorn + Flask)")
     from api.options import add_api_arguments
     add_api_arguments(p)
+    _add_routing_args(p)
     p.set_defaults(func=cmd_api)
 
     p = sub.add_parser("batch", help="batch jobs (OpenAI batch files) run by Celery workers")
@@ -229,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     from redserve.bench_serve import add_bench_arguments
     add_bench_arguments(b)
     b.set_defaults(func=cmd_bench)
+    b = bench_sub.add_parser("multiturn", help="multi-turn chat benchmark (prefix reuse across turns) against a "
+                                               "running server")
+    from redserve.bench_multiturn import add_multiturn_arguments, run_multiturn
+    add_multiturn_arguments(b)
+    b.set_defaults(func=run_multiturn)
     return parser
 
 

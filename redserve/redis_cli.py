@@ -2,7 +2,7 @@
 
 Rules:
 - The Redis URL comes from ``--redis-url``, else ``$REDSERVE_REDIS_URL``, else the running ``redserve
-  serve``'s stack file (`redserve.stack_state`); ``--admin`` takes the stack's admin URL instead (the
+  serve``'s stack file (`common.stack_state`); ``--admin`` takes the stack's admin URL instead (the
   embedded server's operator user, which may run CONFIG, FLUSHDB, SHUTDOWN, ...).
 - The password reaches redis-cli in ``REDISCLI_AUTH`` (`broker.redis_server.redis_cli_invocation`), never
   on its command line; everything after the options is passed to redis-cli as is (a command, or nothing
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_url(args: argparse.Namespace) -> str:
     """The URL to connect to, by the module's precedence; SystemExit with the reason when there is none."""
-    from redserve.stack_state import read_stack_state
+    from common.stack_state import read_stack_state
 
     if args.admin:
         stack = read_stack_state()

@@ -21,9 +21,12 @@ Rules:
 - Secrets never go on a child's command line (``ps`` shows it): the Redis URL reaches the children as
   ``REDSERVE_REDIS_URL`` and the API key as ``REDSERVE_API_KEY`` (the API only), the env defaults of those
   flags. Redis URLs reach logs and stdout only through `broker.connection.mask_url`.
-- While it runs, `redserve.stack_state` records its Redis URL so ``redserve batch`` commands find it.
-- DP engines on this one node share its cores: each gets ``OMP_NUM_THREADS`` = cores / DP size (unless
-  the variable is set already), so N engines do not run N x cores torch threads on the same cores.
+- While it runs, `common.stack_state` records its Redis URL so ``redserve batch`` commands find it.
+- DP engines on this one node share its cores, less one kept for the API workers, Redis and the
+  engines' input/output threads (as vLLM's CPU backend keeps one for its front end): each gets
+  ``OMP_NUM_THREADS`` = max(1, (cores - 1) / DP size) unless the variable is set already, so N engines
+  do not run N x cores torch threads on the same cores, and a spinning OpenMP team never starves
+  the processes that stream its tokens.
 - On CUDA, engine r gets its own GPUs r*TP .. r*TP+TP-1 through ``CUDA_VISIBLE_DEVICES`` (picked from the
   user's list when set; `redserve.devices`); too few GPUs for DP x TP is an error before anything starts.
 """
@@ -44,10 +47,10 @@ import redis
 from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
+from common.proctitle import set_title
+from common.stack_state import StackState, remove_stack_state, write_stack_state
 from redserve.cli import resolve_model
 from redserve.devices import engine_device_env
-from redserve.proctitle import set_title
-from redserve.stack_state import StackState, remove_stack_state, write_stack_state
 from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supervisor, describe_exit
 
 logger = logging.getLogger("redserve.stack")
@@ -118,6 +121,11 @@ class RedisWatch:
             self.on_restart(self.NAME)
 
 
+def engine_threads(cores: int, dp_size: int) -> int:
+    """Torch threads per DP engine: the cores less one for the serving processes, split over the engines."""
+    return max(1, (cores - 1) // dp_size)
+
+
 class Stack:
     """The processes of one ``redserve serve``; see the module rules."""
 
@@ -154,7 +162,7 @@ class Stack:
                "--workers", str(args.api_workers), "--max-queued-requests", str(args.max_queued_requests)]
         if args.served_model_name:
             api += ["--served-model-name", args.served_model_name]
-        api += _flags(args, ["tool_call_parser"], ["public_metrics", "trust_request_chat_template",
+        api += _flags(args, ["tool_call_parser", "max_migrations"], ["public_metrics", "trust_request_chat_template",
                                                    "enable_auto_tool_choice"])
         self._start("api", _cli(*log, *api, *prefix), {"REDSERVE_API_KEY": args.api_key} if args.api_key else {})
         names = [args.served_model_name] if args.served_model_name else []
@@ -171,7 +179,7 @@ class Stack:
         self.supervisor.start(ChildSpec(name, argv, full_env, timeout))
 
     def _engine_env(self, rank: int) -> dict[str, str]:
-        threads = str(max(1, (os.cpu_count() or 1) // self.args.data_parallel_size))
+        threads = str(engine_threads(os.cpu_count() or 1, self.args.data_parallel_size))
         return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **self.engine_devices[rank]}
 
     def _reset_restart_counts(self) -> None:

@@ -2,7 +2,8 @@
 
 Reads only (never writes): the coordinator (lock holder, lock TTL, `rs:coordinator`), the wave,
 every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL left, wave, request
-stream length and pending count, its `rs:lb` entry), engines recently declared dead (their hashes are
+stream length and pending count, its `rs:lb` entry, its prefix-cache hit rate, the size of its prefix
+index and how often the API routed to it for its cache or for its load), engines recently declared dead (their hashes are
 kept a while), and the clients (API processes, Celery workers) with their heartbeats.
 `--json` prints the same as one JSON object. Imports no torch.
 
@@ -23,6 +24,7 @@ import redis
 from broker.control_state import decode_fields, is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.keys import RedisKeys, check_id
 from broker.load_balance import read_lb_snapshot
+from broker.prefix_index import read_routing_counts
 from broker.registry import EngineRegistry
 
 
@@ -81,9 +83,13 @@ def _add_engine_details(r: redis.Redis, keys: RedisKeys, engines: list[dict], lb
         p.pttl(keys.engine_alive(e["engine_id"]))
         p.xlen(keys.request_stream(e["engine_id"]))
         p.xpending(keys.request_stream(e["engine_id"]), keys.consumer_group)
+        p.scard(keys.engine_blocks(e["engine_id"]))
     replies = p.execute(raise_on_error=False)
+    routing = read_routing_counts(r, keys)
     for i, e in enumerate(engines):
-        pttl, length, pending = replies[3 * i: 3 * i + 3]
+        pttl, length, pending, indexed = replies[4 * i: 4 * i + 4]
+        e["prefix_index_blocks"] = indexed if isinstance(indexed, int) else None
+        e["routed"] = {"cache": 0, "load": 0, **routing.get(e["engine_id"], {})}
         ttl = e.get("heartbeat_ttl")
         left = pttl / 1000 if isinstance(pttl, int) and pttl > 0 else None
         e["heartbeat_ttl_left_s"] = None if left is None else round(left, 2)
@@ -162,10 +168,15 @@ def format_status(s: dict[str, Any]) -> str:
         rows.append([e["engine_id"], e.get("state"), "yes" if e["alive"] else "NO", f"{e.get('host')}/{e.get('pid')}",
                      e.get("waiting", 0), e.get("running", 0), e.get("kv_usage", 0.0), e.get("num_steps", 0),
                      e.get("generated_tokens", 0), hb, wave, e["stream_len"], e["pending"],
-                     "-" if e["lb"] is None else f"{e['lb']['waiting']}/{e['lb']['running']} ({e['lb']['age_s']}s)"])
+                     "-" if e["lb"] is None else f"{e['lb']['waiting']}/{e['lb']['running']} ({e['lb']['age_s']}s)",
+                     e.get("prefix_cache_hit_rate"), e.get("prefix_index_blocks"),
+                     f"{e['routed']['cache']}/{e['routed']['load']}"])
     lines += _table(["id", "state", "alive", "host/pid", "waiting", "running", "kv", "steps", "gen_tokens",
-                     "heartbeat age/ttl", "wave", "stream", "pending", "lb w/r (age)"], rows)
-    lines.append("  (wave*: the engine is in a running wave; stream = XLEN, pending = XPENDING: requests in flight)")
+                     "heartbeat age/ttl", "wave", "stream", "pending", "lb w/r (age)", "prefix hit", "index",
+                     "routed c/l"], rows)
+    lines.append("  (wave*: the engine is in a running wave; stream = XLEN, pending = XPENDING: requests in flight;")
+    lines.append("   prefix hit = prompt tokens found in its prefix cache / looked up; index = block hashes it")
+    lines.append("   publishes for cache-aware routing; routed c/l = requests sent to it for its cache / its load)")
     if s["dead_engines"]:
         lines += ["", f"other engine records: dead, or not valid registrations ({len(s['dead_engines'])}):"]
         lines += _table(["id", "state", "host/pid", "dead_at"],

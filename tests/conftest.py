@@ -9,6 +9,7 @@ prefix is what keeps tests' channels apart.
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -18,6 +19,11 @@ import redis
 from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
+from worker.kernels.build import cache_root
+
+# Tests that point REDSERVE_CACHE_DIR at a temporary folder (GGUF, tiny-model caches) keep using the C++
+# kernels `make install` built, instead of compiling them again inside the run.
+os.environ.setdefault("REDSERVE_KERNEL_CACHE_DIR", str(cache_root()))
 
 _databases = itertools.cycle(range(1, 16))
 

@@ -17,14 +17,14 @@ from api.batch.records import BatchRequest
 from api.batch.runner import ItemRunner
 from api.errors import ApiError
 from broker.keys import RedisKeys
-from redserve.cli import build_parser
-from redserve.stack_state import (
+from common.stack_state import (
     StackState,
     read_stack_state,
     remove_stack_state,
     state_path,
     write_stack_state,
 )
+from redserve.cli import build_parser
 
 
 @pytest.fixture(autouse=True)

@@ -355,7 +355,7 @@ def test_unstarted_request_moves_to_a_live_engine_when_its_engine_dies(cluster):
 def test_started_request_fails_when_its_engine_dies(cluster):
     e0 = cluster.engine("e0", ttl=0.4)
     cluster.engine("e1")
-    client = cluster.client()
+    client = cluster.client(max_migrations=0)  # resuming: tests/test_broker_client_migration.py
     handle = client.submit(add(max_tokens=100, stall_after=1), engine_id="e0")
     assert handle.get(timeout=5).new_token_ids == [1001]
     e0.crash()

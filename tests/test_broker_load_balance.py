@@ -72,6 +72,24 @@ def test_new_snapshot_resets_requests_sent_since():
     assert sel.score("e0") == 6
 
 
+def test_requests_that_finished_since_the_snapshot_no_longer_count():
+    """Quick requests between two snapshots (a multi-turn chat) must not pile up as phantom waiting ones."""
+    c = FakeCluster("e0", "e1")
+    c.loads = {e: EngineLoad(waiting=0, running=0, ts=c.now) for e in ("e0", "e1")}
+    sel = c.selector(refresh_interval=60)
+    sel.refresh()
+    for _ in range(3):
+        sel.on_submit("e0")
+        sel.on_finish("e0")
+    assert sel.score("e0") == 0 and sel.in_flight("e0") == 0
+    sel.on_submit("e0")
+    assert sel.score("e0") == 4
+    sel.refresh()  # a new snapshot already counts it; its finish must not go below zero
+    sel.on_finish("e0")
+    sel.on_finish("e0")
+    assert sel.score("e0") == 0
+
+
 def test_stale_snapshot_falls_back_to_in_flight():
     c = FakeCluster("e0", "e1")
     c.loads = {"e0": EngineLoad(waiting=100, ts=c.now), "e1": EngineLoad(waiting=0, ts=c.now)}

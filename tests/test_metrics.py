@@ -151,9 +151,11 @@ def test_every_dashboard_series_is_in_metrics_after_traffic(api_stack) -> None:
     def scrape_after_traffic() -> str | None:
         text = requests.get(url, headers=auth, timeout=10).text
         done = metric_sum(text, "redserve:request_failure_total") > failures_before
-        return text if done and metric_sum(text, "redserve:request_queue_time_seconds_count") > 0 else None
+        hits = metric_sum(text, "redserve:prefix_cache_hits_total") - metric_sum(before, "redserve:prefix_cache_hits_total")
+        queued = metric_sum(text, "redserve:request_queue_time_seconds_count") > 0
+        return text if done and queued and hits >= BLOCK else None
 
-    text = wait_for(scrape_after_traffic, 30, "the abandoned stream and the engine histograms in /metrics")
+    text = wait_for(scrape_after_traffic, 30, "the abandoned stream, the prefix hit and the engine histograms in /metrics")
     missing = sorted(dashboard_metric_names() - series_names(text))
     assert not missing, f"the dashboard queries series that /metrics lacks: {missing}"
     hits = metric_sum(text, "redserve:prefix_cache_hits_total") - metric_sum(before, "redserve:prefix_cache_hits_total")

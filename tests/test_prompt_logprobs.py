@@ -146,3 +146,31 @@ def test_request_output_wire_carries_prompt_logprobs_and_reads_old_arrays() -> N
     assert len(msg.outputs[1]._to_wire()) == 9  # no cost for requests that did not ask
     runner = ModelRunnerOutput({"a": SampledToken(5, None, entries), "b": SampledToken(6)})
     assert runner_output_from_wire(msgpack.unpackb(msgpack.packb(runner_output_to_wire(runner)))) == runner
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(api_stack, client) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "def add(a, b):"}]
+    tokenizer = AutoTokenizer.from_pretrained(api_stack.model_dir)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    want, top = hf_prompt_logprobs(api_stack.model_dir, prompt, top_n=2)
+    reply = client.chat.completions.create(model=api_stack.model_dir, messages=messages, max_tokens=2, n=2,
+                                           temperature=0.0, extra_body={"prompt_logprobs": 2})
+    assert reply.usage.prompt_tokens == len(prompt)
+    entries = reply.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    assert_close([entries[i][str(prompt[i])]["logprob"] for i in range(1, len(prompt))], want)
+    for i in range(1, len(prompt)):
+        assert [int(k) for k, v in sorted(entries[i].items(), key=lambda kv: kv[1]["rank"])][:2] == top[i - 1]
+    plain = client.chat.completions.create(model=api_stack.model_dir, messages=messages, max_tokens=2)
+    assert "prompt_logprobs" not in plain.model_extra
+
+
+def test_chat_prompt_logprobs_when_streaming_is_a_400(api_stack, client) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model=api_stack.model_dir, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})

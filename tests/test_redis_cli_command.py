@@ -11,7 +11,7 @@ from redis.connection import parse_url
 from stack_procs import cli
 
 from broker.redis_server import EmbeddedRedis
-from redserve.stack_state import StackState, write_stack_state
+from common.stack_state import StackState, write_stack_state
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from worker.sampler import Sampler, SamplingBatch, apply_penalties
+from worker.sampler import Sampler, SamplingBatch, apply_penalties, apply_top_k_top_p
 
 VOCAB = 64
 
@@ -299,3 +299,92 @@ def test_top_k_1_through_engine_equals_greedy(llm: LLM) -> None:
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True))
     assert [g.outputs[0].token_ids for g in greedy] == [t.outputs[0].token_ids for t in top1]
+
+
+# --- the vectorised paths against per-row references --------------------------------------------------------
+
+
+def _one_row_penalties(row: torch.Tensor, prompt: list[int], output: list[int], rep: float, presence: float,
+                       frequency: float) -> torch.Tensor:
+    """vLLM's penalties for one row, written out token by token."""
+    row = row.clone()
+    for tok in set(prompt) | set(output):
+        row[tok] = row[tok] / rep if row[tok] > 0 else row[tok] * rep
+    for tok in set(output):
+        row[tok] -= frequency * output.count(tok)
+        row[tok] -= presence
+    return row
+
+
+def test_penalties_of_many_rows_match_each_row_alone() -> None:
+    g = torch.Generator().manual_seed(21)
+    rows = 9
+    logits = torch.randn(rows, VOCAB, generator=g) * 2
+    logits[3, :4] = float("-inf")  # masked earlier (min_tokens, grammar): stays -inf
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(0, 12, (rows,), generator=g)]
+    outputs = [torch.randint(0, 8, (int(n),), generator=g).tolist() for n in torch.randint(0, 12, (rows,), generator=g)]
+    params = dict(repetition_penalty=[1.0, 1.5, 0.8, 1.2, 1.0, 2.0, 1.0, 1.3, 1.1],
+                  presence_penalty=[0.0, 0.5, -1.0, 0.2, 0.0, 0.0, 1.5, 0.0, 0.3],
+                  frequency_penalty=[0.0, 0.3, 0.0, -0.5, 0.7, 0.0, 0.0, 0.2, 0.1])
+    out = apply_penalties(logits.clone(), make_batch(rows, prompt_token_ids=prompts, output_token_ids=outputs,
+                                                     **params))
+    for r in range(rows):
+        expected = _one_row_penalties(logits[r], prompts[r], outputs[r], params["repetition_penalty"][r],
+                                      params["presence_penalty"][r], params["frequency_penalty"][r])
+        torch.testing.assert_close(out[r], expected)
+
+
+def test_min_tokens_masks_of_many_rows_and_ids_outside_the_vocab(sampler: Sampler) -> None:
+    logits = random_logits(4, seed=22)
+    ranked = logits.argsort(dim=-1, descending=True).tolist()
+    masks = [ranked[0][:3], [], ranked[2][:1] + [VOCAB + 5, -1], ranked[3][:2]]  # out-of-vocab ids: ignored
+    out = tokens(sampler, logits, make_batch(4, temperature=0.0, stop_token_masks=masks))
+    assert out == [ranked[0][3], ranked[1][0], ranked[2][1], ranked[3][2]]
+
+
+def _flattening_distribution() -> torch.Tensor:
+    """probs 0.4 / 0.3 / 0.2 / 0.1 at temperature 1: at temperature 2 they flatten to about
+    0.325 / 0.282 / 0.230 / 0.163."""
+    row = torch.full((1, VOCAB), -1e9)
+    row[0, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    return row
+
+
+def test_temperature_is_applied_before_top_p(sampler: Sampler) -> None:
+    # temperature first: cumulative before token 2 is 0.607 < 0.65, token 2 stays;
+    # temperature after top_p would keep only tokens 0 and 1 (0.4 + 0.3 reaches 0.65).
+    samples = sample_many(sampler, _flattening_distribution(), 3000, temperature=2.0, top_p=0.65)
+    assert set(samples.tolist()) == {0, 1, 2}
+
+
+def test_temperature_is_applied_before_min_p(sampler: Sampler) -> None:
+    # temperature first: threshold 0.6 * 0.325 = 0.195 keeps token 2 (0.230);
+    # temperature after min_p would use 0.6 * 0.4 = 0.24 and drop it (0.2).
+    samples = sample_many(sampler, _flattening_distribution(), 3000, temperature=2.0, min_p=0.6)
+    assert set(samples.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (20, 0.8), (1, 1.0)])
+def test_top_k_fast_path_equals_the_full_sort_path(sampler: Sampler, top_k: int, top_p: float) -> None:
+    """With every sampled row under a top_k, only the k candidates are sorted; a seeded row must still
+    get exactly the token of the full path (full sort, whole-row noise from its generator)."""
+    logits = random_logits(6, seed=23, scale=0.5)
+    temperature = [0.7, 1.0, 0.0, 1.3, 1.0, 0.9]
+    fast = tokens(sampler, logits, make_batch(6, temperature=temperature, top_k=top_k, top_p=top_p,
+                                              generators=[seeded(40 + r) for r in range(6)]))
+    for r in range(6):
+        if temperature[r] == 0.0:
+            assert fast[r] == int(logits[r].argmax())
+            continue
+        scaled = logits[r:r + 1] / temperature[r]
+        probs = torch.softmax(apply_top_k_top_p(scaled, [top_k], [top_p]), dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=seeded(40 + r))
+        assert fast[r] == int((probs / q).argmax())
+
+
+def test_seeded_top_k_row_independent_of_batch(sampler: Sampler) -> None:
+    logits = random_logits(3, seed=24)
+    alone = [tokens(sampler, logits[1:2], make_batch(1, top_k=10, generators=[seeded(9 + i)]))[0] for i in range(6)]
+    batched = [tokens(sampler, logits, make_batch(3, top_k=[3, 10, 40], generators=[None, seeded(9 + i), seeded(i)]))[1]
+               for i in range(6)]
+    assert alone == batched and len(set(alone)) > 1

@@ -67,6 +67,11 @@ def test_echo_with_max_tokens_zero_is_allowed_and_shows_only_the_prompt(http) ->
     assert http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 0}).status_code == 400
 
 
-def test_prompt_logprobs_is_for_completions_only(http) -> None:
-    r = http.post(CHAT, json={"messages": USER, "prompt_logprobs": 1})
-    assert r.status_code == 400 and r.get_json()["error"]["param"] == "prompt_logprobs"
+@pytest.mark.parametrize("body, status", [({"prompt_logprobs": -1}, 400), ({"prompt_logprobs": 21}, 400),
+                                          ({"prompt_logprobs": 1, "stream": True}, 400),  # as vLLM
+                                          ({"prompt_logprobs": 0}, 200), ({"prompt_logprobs": 20}, 200)])
+def test_chat_prompt_logprobs_range_and_no_streaming(http, body, status) -> None:
+    r = http.post(CHAT, json={"messages": USER, "max_tokens": 2, **body})
+    assert r.status_code == status, r.get_data(as_text=True)
+    if status == 400:
+        assert r.get_json()["error"]["param"] == "prompt_logprobs"

@@ -248,6 +248,9 @@ def test_named_choice_and_streaming_reassemble_to_the_same_call(client, model) -
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks if c.choices]
     assert assemble(deltas) == [(call.function.name, call.function.arguments)]
+    pieces = [p["function"]["arguments"] for d in deltas for p in d.get("tool_calls") or []
+              if p["function"].get("arguments")]
+    assert len(pieces) > 1, "the arguments came in one piece, not as they were written"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 

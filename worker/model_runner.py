@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
 from worker.input_batch import InputBatch, PromptLogprobRows
+from worker.kernels import available_extensions, load_extension
 from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
 from worker.parallel_state import tp_group
 from worker.sampler import Sampler, prompt_logprob_entries
@@ -25,8 +26,13 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.hf_config = load_config(config.model)
-        self.dtype = config.torch_dtype(getattr(self.hf_config, "dtype", None)
-                                        or getattr(self.hf_config, "torch_dtype", None))
+        choice = config.dtype_choice(getattr(self.hf_config, "dtype", None)
+                                     or getattr(self.hf_config, "torch_dtype", None))
+        self.dtype = choice.dtype
+        if tp_group().rank == 0:  # one line per engine, not per TP rank
+            logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), choice.reason)
+            if choice.warning:
+                logger.warning(choice.warning)
         self.max_model_len = self._max_model_len()
         started = time.perf_counter()
         self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
@@ -40,6 +46,9 @@ class ModelRunner:
                                       hf.num_attention_heads // (hf.num_key_value_heads or hf.num_attention_heads),
                                       self.eos_token_ids)
         self.sampler = Sampler(self.device)
+        if self.device.type == "cpu":  # build (or find in the cache) the C++ kernels now, before READY
+            for name in available_extensions():
+                load_extension(name)
         self.kv_caches: list[torch.Tensor] = []
         self.memory: DeviceMemory | None = device_memory_for(self.device)
 

@@ -10,6 +10,7 @@ on what else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -45,6 +46,13 @@ class SamplingBatch:
 
 
 class Sampler:
+    """Rules:
+    - Whole-batch tensor ops throughout; the only per-row Python loop left draws the exponential noise of
+      the seeded rows, one call each on that row's own generator (unseeded sampled rows share one draw
+      from ``default_generator``; greedy rows draw nothing).
+    - A seeded row's token depends only on its logits, parameters and generator, never on the batch.
+    """
+
     def __init__(self, device: torch.device):
         self.device = device
         self.default_generator = torch.Generator(device=device)
@@ -57,10 +65,7 @@ class Sampler:
         if any(n is not None for n in batch.num_logprobs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(batch.stop_token_masks):
-            logits = logits.clone()
-            for row, ids in enumerate(batch.stop_token_masks):
-                if ids:
-                    logits[row, ids] = float("-inf")
+            logits = apply_token_masks(logits, batch.stop_token_masks)
         if batch.needs_penalties:
             logits = apply_penalties(logits, batch)
         if batch.all_greedy:
@@ -70,9 +75,8 @@ class Sampler:
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return [SampledToken(t) for t in token_list]
-        return [SampledToken(t, None if batch.num_logprobs[row] is None
-                             else _logprobs(raw_logprobs[row], t, batch.num_logprobs[row]))
-                for row, t in enumerate(token_list)]
+        entries = sampled_logprobs(raw_logprobs, tokens, batch.num_logprobs)
+        return [SampledToken(t, entry) for t, entry in zip(token_list, entries, strict=True)]
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         device = logits.device
@@ -85,14 +89,60 @@ class Sampler:
             min_p = torch.tensor(batch.min_p, device=device).unsqueeze(1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        if any(batch.top_k) or any(p < 1.0 for p in batch.top_p):
+        widest_k = _widest_top_k(batch, logits.shape[1])
+        if widest_k:
+            sampled = self._sample_top_k(logits, batch, widest_k)
+        else:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        q = torch.empty_like(probs)
-        for row, gen in enumerate(batch.generators):
-            q[row].exponential_(generator=gen or self.default_generator)
-        sampled = (probs / q).argmax(dim=-1)
+            probs = torch.softmax(logits, dim=-1)
+            sampled = (probs / self._exponential_noise(probs, batch.generators, batch.temperature)).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+    def _sample_top_k(self, logits: torch.Tensor, batch: SamplingBatch, widest_k: int) -> torch.Tensor:
+        """Every sampled row keeps at most ``widest_k`` tokens: sort only those (``topk``), apply top-k/top-p
+        to them, and draw noise only for them, except that a seeded row still draws its whole row (the
+        same variates as the full path) and reads them at its candidates."""
+        values, candidates = logits.topk(widest_k, dim=-1)
+        ks = [k if 0 < k < logits.shape[1] else widest_k for k in batch.top_k]
+        probs = torch.softmax(_top_k_top_p_sorted(values, ks, batch.top_p), dim=-1)
+        q = self._exponential_noise(probs, [None] * len(ks), batch.temperature)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None and batch.temperature[row] >= 1e-5:
+                q[row] = torch.empty(logits.shape[1], device=logits.device).exponential_(generator=gen)[candidates[row]]
+        return candidates.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+    def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None],
+                           temperature: list[float]) -> torch.Tensor:
+        """One Exp(1) variate per entry of the sampled rows (greedy rows get 1.0, unused)."""
+        sampled = [t >= 1e-5 for t in temperature]
+        seeded = [row for row, gen in enumerate(generators) if gen is not None and sampled[row]]
+        if not seeded and all(sampled):
+            return torch.empty_like(probs).exponential_(generator=self.default_generator)
+        q = torch.ones_like(probs)
+        unseeded = [row for row, gen in enumerate(generators) if gen is None and sampled[row]]
+        if unseeded:
+            noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            q[torch.tensor(unseeded, device=probs.device)] = noise.exponential_(generator=self.default_generator)
+        for row in seeded:
+            q[row].exponential_(generator=generators[row])
+        return q
+
+
+def _flat_rows(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``row * vocab + id`` for every id of every row's list, as one int64 tensor (indexes a flat [rows, vocab]).
+    Ids outside the vocabulary are left out: they name no logit, and must not spill into the next row."""
+    lengths = torch.tensor([len(ids) for ids in lists], dtype=torch.long)
+    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(lists), dtype=torch.long), lengths)
+    inside = (ids >= 0) & (ids < vocab)
+    return (rows[inside] * vocab + ids[inside]).to(device)
+
+
+def apply_token_masks(logits: torch.Tensor, token_masks: list[list[int]]) -> torch.Tensor:
+    """Set to -inf, in a copy, every row's listed token ids (min_tokens: stop and EOS ids)."""
+    logits = logits.clone()
+    logits.view(-1)[_flat_rows(token_masks, logits.shape[1], logits.device)] = float("-inf")
+    return logits
 
 
 def apply_grammar_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> torch.Tensor:
@@ -113,35 +163,69 @@ def apply_grammar_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> t
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM's penalties, all rows at once: repetition over prompt and output tokens (divide positive
+    logits, multiply negative ones), then frequency per output occurrence, then presence once per output
+    token. Sparse: only the logits of tokens a row has seen are read and written (a copy of ``logits``)."""
     rows, vocab = logits.shape
     device = logits.device
-    counts = torch.zeros(rows, vocab, device=device)
-    seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
-    for row in range(rows):
-        out = torch.tensor(batch.output_token_ids[row], dtype=torch.long, device=device)
-        counts[row].index_add_(0, out, torch.ones(out.numel(), device=device))
-        seen[row, batch.prompt_token_ids[row]] = True
-    seen |= counts > 0
-    rep = torch.tensor(batch.repetition_penalty, device=device).unsqueeze(1).expand(rows, vocab)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - torch.tensor(batch.frequency_penalty, device=device).unsqueeze(1) * counts
-    return logits - torch.tensor(batch.presence_penalty, device=device).unsqueeze(1) * (counts > 0)
+    flat = logits.clone().view(-1)
+    out_index, out_counts = torch.unique(_flat_rows(batch.output_token_ids, vocab, device), return_counts=True)
+    if any(p != 1.0 for p in batch.repetition_penalty):
+        seen = torch.unique(torch.cat([out_index, _flat_rows(batch.prompt_token_ids, vocab, device)]))
+        rep = torch.tensor(batch.repetition_penalty, device=device)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / rep, values * rep)
+    if any(batch.frequency_penalty) or any(batch.presence_penalty):
+        out_rows = out_index // vocab
+        values = flat[out_index]
+        if any(batch.frequency_penalty):
+            values = values - torch.tensor(batch.frequency_penalty, device=device)[out_rows] * out_counts.float()
+        if any(batch.presence_penalty):
+            values = values - torch.tensor(batch.presence_penalty, device=device)[out_rows]
+        flat[out_index] = values
+    return flat.view(rows, vocab)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep each row's k most likely tokens (0 < k < vocab), then the smallest prefix whose probability
+    reaches p (p < 1). Only the rows that filter are sorted; the others come back untouched."""
+    vocab = logits.shape[-1]
+    filtered = [row for row, (k, p) in enumerate(zip(top_k, top_p, strict=True)) if 0 < k < vocab or p < 1.0]
+    if not filtered:
+        return logits
+    if len(filtered) == logits.shape[0]:
+        return _top_k_top_p_rows(logits, top_k, top_p)
+    index = torch.tensor(filtered, device=logits.device)
+    logits = logits.clone()
+    logits[index] = _top_k_top_p_rows(logits[index], [top_k[r] for r in filtered], [top_p[r] for r in filtered])
+    return logits
+
+
+def _top_k_top_p_rows(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
-    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    remove = positions >= ks.unsqueeze(1)
-    ps = torch.tensor(top_p, device=logits.device).unsqueeze(1)
-    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    cumulative = probs.cumsum(dim=-1) - probs
-    remove |= cumulative > ps
-    remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    sorted_logits = _top_k_top_p_sorted(sorted_logits, [k if 0 < k < vocab else vocab for k in top_k], top_p)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _top_k_top_p_sorted(sorted_logits: torch.Tensor, ks: list[int], top_p: list[float]) -> torch.Tensor:
+    """Rows sorted in descending order: -inf from position k on, then past the smallest prefix whose
+    probability (after top-k) reaches p; the first position always stays."""
+    positions = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)
+    remove = positions >= torch.tensor(ks, device=sorted_logits.device).unsqueeze(1)
+    if any(p < 1.0 for p in top_p):
+        ps = torch.tensor(top_p, device=sorted_logits.device).unsqueeze(1)
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        cumulative = probs.cumsum(dim=-1) - probs
+        remove |= cumulative > ps
+    remove[:, 0] = False
+    return sorted_logits.masked_fill(remove, float("-inf"))
+
+
+def _widest_top_k(batch: SamplingBatch, vocab: int) -> int:
+    """The largest top_k over the sampled rows when every one of them sets 0 < top_k < vocab, else 0."""
+    ks = [k for k, t in zip(batch.top_k, batch.temperature, strict=True) if t >= 1e-5]
+    return max(ks) if ks and all(0 < k < vocab for k in ks) else 0
 
 
 def prompt_logprob_entries(logits: torch.Tensor, next_token_ids: list[int], top_n: int) -> list[list]:
@@ -161,10 +245,17 @@ def prompt_logprob_entries(logits: torch.Tensor, next_token_ids: list[int], top_
                                                                    strict=True)]
 
 
-def _logprobs(row_logprobs: torch.Tensor, token: int, top_n: int | None) -> list:
-    sampled = row_logprobs[token]
-    rank = int((row_logprobs > sampled).sum()) + 1
-    if top_n:
-        values, ids = row_logprobs.topk(top_n)
-        return [float(sampled), rank, ids.tolist(), values.tolist()]
-    return [float(sampled), rank, [], []]
+def sampled_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:
+    """Per row: None when it asked for no logprobs, else ``[logprob, rank, top_ids, top_logprobs]`` of
+    its sampled token over the raw distribution (rank 1 = most likely), with its top-N."""
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    widest = max((n for n in num_logprobs if n), default=0)
+    top_ids = top_values = None
+    if widest:
+        values, ids = raw_logprobs.topk(widest, dim=-1)
+        top_ids, top_values = ids.tolist(), values.tolist()
+    return [None if n is None else [chosen_list[row], ranks[row], top_ids[row][:n] if n else [],
+                                    top_values[row][:n] if n else []]
+            for row, n in enumerate(num_logprobs)]

@@ -3,7 +3,7 @@
 Rules:
 - Importing this module is cheap (argparse and os): ``redserve.cli`` imports it to build its parser.
 - Redis is found by ``--redis-url``, else ``$REDSERVE_REDIS_URL``, else the state file of a running
-  ``redserve serve`` (`redserve.stack_state`); the key prefix and model the same way (flag, env,
+  ``redserve serve`` (`common.stack_state`); the key prefix and model the same way (flag, env,
   state file, default). No Redis URL: exit code 2 with the reason on stderr.
 - ``submit`` prints the batch id on stdout; with ``--output`` it then waits, drawing progress on
   stderr, writes the results there and exits 0 (1 if the batch could not finish in ``--timeout``).
@@ -86,7 +86,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace):
     from api.batch.tasks import BatchSettings
-    from redserve.stack_state import read_stack_state
+    from common.stack_state import read_stack_state
 
     stack = read_stack_state()
     redis_url = args.redis_url or (stack.redis_url if stack else None)
@@ -112,7 +112,7 @@ def _store(settings):
 
 def _worker(args: argparse.Namespace, settings) -> int:
     from api.batch.tasks import QUEUE, TITLE, app
-    from redserve.proctitle import set_title
+    from common.proctitle import set_title
 
     try:
         settings.api_config()

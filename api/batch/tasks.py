@@ -49,7 +49,7 @@ from api.state import ApiState
 from broker.connection import connect
 from broker.errors import BrokerError, BrokerUnavailable
 from broker.keys import RedisKeys
-from redserve.proctitle import set_title
+from common.proctitle import set_title
 
 logger = logging.getLogger(__name__)
 

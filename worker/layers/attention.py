@@ -9,6 +9,12 @@ masked to its own head's block (``head_mask``): the extra multiply-adds by zero 
 copies a per-head layout would need, and K/V are never repeated for GQA. Prefill chunks use SDPA with
 GQA folded into the query axis. Runs on CPU and CUDA with plain torch ops.
 
+On CPU, when the C++ kernel builds (``worker.kernels``, csrc/paged_attention.cpp), decodes instead go
+through one kernel call per layer that reads each cached K/V row once, straight from the cache through
+the block tables (``PagedBatch``), GQA groups sharing each read. The kernel serves prefill chunks over
+a cached prefix too, but SDPA's GEMMs win from about 8 queries on, so ``InputBatch`` (which decides the
+layout a step carries) sends it decodes and short cached-prefix chunks only.
+
 Rules:
 - A layer with a ``sliding_window`` W lets the query at position q read only keys at k > q - W (the
   Hugging Face rule), in decode and in every prefill chunk. All blocks stay allocated: older tokens are
@@ -16,7 +22,8 @@ Rules:
 - ``softcap`` c (Gemma 2) maps scores s to c * tanh(s / c) before masking; prefill then computes the
   scores by hand since SDPA cannot cap them.
 - Window masks are built once per step and window size, and shared by every layer (cached on the
-  metadata).
+  metadata), and so is the output buffer: nothing is allocated per layer that could live for the step.
+- The kernel and the torch path agree to float rounding (tests/test_paged_attention.py).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from worker.kernels import load_extension
 
 
 @dataclass
@@ -49,6 +58,24 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedBatch:
+    """The sequences the C++ kernel serves in a step, as int32 CPU tensors: sequence s owns query rows
+    ``[query_start[s], query_start[s] + query_lens[s])`` and ``context_lens[s]`` cached keys (its new
+    tokens included); ``block_tables[s]`` lists its blocks."""
+
+    block_size: int
+    block_tables: torch.Tensor
+    query_start: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def paged_attention_kernel():
+    """The compiled CPU kernel module, or None (one warning line) where it cannot be built."""
+    return load_extension("paged_attention")
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step layout shared by every layer. ``decode_slots`` [B, L] holds the cache slot of each
     context position of each decode request (padding points at slot 0 and is masked out)."""
@@ -58,7 +85,17 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    paged: PagedBatch | None = None
     decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    out_buffer: torch.Tensor | None = None
+
+    def output_like(self, q: torch.Tensor) -> torch.Tensor:
+        """One [T, H, d] output buffer for the step, reused by every layer (each layer's o_proj reads it
+        before the next layer writes it)."""
+        buf = self.out_buffer
+        if buf is None or buf.shape != q.shape or buf.dtype != q.dtype or buf.device != q.device:
+            self.out_buffer = buf = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return buf
 
     def decode_window_mask(self, window: int) -> torch.Tensor:
         """``decode_mask`` that also masks every position at or before (query position - window)."""
@@ -95,13 +132,21 @@ class PagedAttention:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = meta.output_like(q)
+        if meta.paged is not None:
+            self._paged(q, k_cache, v_cache, meta.paged, out)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], k_cache, v_cache, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out.view(q.shape[0], -1)
+
+    def _paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+               out: torch.Tensor) -> None:
+        paged_attention_kernel().paged_attention(
+            out, q, k_cache, v_cache, batch.block_tables, batch.query_start, batch.query_lens,
+            batch.context_lens, batch.block_size, self.scale, self.sliding_window or 0, self.softcap or 0.0)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -2,6 +2,12 @@
 
 Scaled variants (linear, llama3, yarn, longrope) take their frequencies from transformers'
 ``ROPE_INIT_FUNCTIONS`` so they match the reference implementation exactly.
+
+Rules:
+- ``rotary(positions, q, k)`` returns the rotated q and k; on the CPU kernel path they are q and k
+  themselves, rotated in place (no cos/sin gather, no temporaries), so callers keep only what it returns.
+- Computed in the model dtype with cos/sin rounded to it, each product and sum rounded, as the Hugging
+  Face implementation does; the kernel and ``reference`` agree exactly.
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from worker.layers.fused_ops import fused_ops_for
 
 _SUPPORTED = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -39,8 +47,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, d], k: [T, kv_heads, d]. Computed in the model dtype, with cos/sin rounded to it,
-        as the Hugging Face implementation does."""
+        """q: [T, heads, d], k: [T, kv_heads, d] (views with a contiguous last dim are fine)."""
+        ops = fused_ops_for(q, k, self.cos)
+        if ops is None or q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return self.reference(positions, q, k)
+        ops.rotary_embedding(positions.long().contiguous(), q, k, self.cos, self.sin)
+        return q, k
+
+    def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

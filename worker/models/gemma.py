@@ -14,9 +14,9 @@ Rules:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.activation import gelu_tanh_and_mul
 from worker.layers.attention import AttentionMetadata
 from worker.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.norm import GemmaRMSNorm
@@ -24,26 +24,28 @@ from worker.layers.rotary import RotaryEmbedding
 from worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config, dtype: torch.dtype, rotary: RotaryEmbedding, layer_idx: int):
         super().__init__()
         qk_norm = GemmaRMSNorm if config.model_type == "gemma3_text" else None
         self.self_attn = LlamaAttention(config, dtype, rotary, layer_idx, qk_norm)
-        self.mlp = LlamaMLP(config, dtype, act=gelu_tanh)
+        self.mlp = LlamaMLP(config, dtype, act_and_mul=gelu_tanh_and_mul)
         size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        """(hidden, residual) in and out as ``LlamaDecoderLayer``; the post-norms apply to a block's output
+        before it joins the residual stream (folded into the next pre-norm)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, meta))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -76,10 +78,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return hidden
+        return self.run_layers(positions, self.embed_tokens(input_ids) * self.embed_scale, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

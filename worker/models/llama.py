@@ -10,9 +10,9 @@ Rules:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.activation import silu_and_mul
 from worker.layers.attention import AttentionMetadata, PagedAttention
 from worker.layers.linear import (
     ColumnParallelLinear,
@@ -83,11 +83,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU with the default ``act``, GeGLU with tanh-approximated GELU."""
+    """down(act(gate(x)) * up(x)): SwiGLU with the default ``act_and_mul``, GeGLU with
+    ``gelu_tanh_and_mul`` (``worker.layers.activation``)."""
 
-    def __init__(self, config, dtype: torch.dtype, act=F.silu):
+    def __init__(self, config, dtype: torch.dtype, act_and_mul=silu_and_mul):
         super().__init__()
-        self.act = act
+        self.act_and_mul = act_and_mul
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [("gate", inter), ("up", inter)],
                                                  bias=getattr(config, "mlp_bias", False), dtype=dtype)
@@ -95,8 +96,7 @@ class LlamaMLP(nn.Module):
                                            dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,9 +109,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        """(hidden, residual) in and out, vLLM style: the sum of the two is the layer's output stream, and
+        each norm folds the pending residual add in (``RMSNorm(x, residual)``). ``residual`` None: first layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,10 +141,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        return self.run_layers(positions, self.embed_tokens(input_ids), kv_caches, meta)
+
+    def run_layers(self, positions: torch.Tensor, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder stack; returns the final hidden stream before the last norm (``compute_logits``
+        applies it to the rows it needs)."""
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return hidden
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(self.norm(hidden)).float()

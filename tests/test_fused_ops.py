@@ -1,0 +1,169 @@
+"""Fused decoder ops (worker/kernels/csrc/fused_ops.cpp) against their torch references: RMSNorm with
+and without the residual add (Llama and Gemma rounding), RoPE in place on strided q/k views, the gated
+activations; odd sizes, float32 and bfloat16. Then the tiny model with the kernels vs without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from worker.layers import norm as norm_module
+from worker.layers import rotary as rotary_module
+from worker.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from worker.layers.fused_ops import fused_ops_for
+from worker.layers.norm import GemmaRMSNorm, RMSNorm
+from worker.layers.rotary import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: the kernel sums squares in another order than torch's mean (a few ulps); bfloat16: exact.
+TOLERANCE = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 0, "atol": 0}}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = fused_ops_for(torch.empty(1))
+    if module is None:
+        pytest.skip("the fused_ops kernel does not build here (no compiler); the torch path serves")
+    return module
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm / GemmaRMSNorm, written out."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def make_norm(cls: type[RMSNorm], size: int, dtype: torch.dtype) -> RMSNorm:
+    norm = cls(size, 1e-5, dtype)
+    norm.weight.data = torch.randn(size, generator=torch.Generator().manual_seed(size)).to(dtype)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("tokens,size", [(1, 64), (7, 37), (33, 129), (64, 512)])
+def test_rms_norm_kernel_matches_reference_and_hf(ops, cls, dtype, tokens, size) -> None:
+    norm = make_norm(cls, size, dtype)
+    x = (torch.randn(tokens, size, generator=torch.Generator().manual_seed(tokens)) * 3).to(dtype)
+    out = norm(x)
+    assert out.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(out, norm.reference(x), **TOLERANCE[dtype])
+    torch.testing.assert_close(out, hf_rms_norm(x, norm.weight, norm.eps, cls is GemmaRMSNorm), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize("tokens,size", [(1, 64), (5, 93), (64, 512)])
+def test_fused_add_rms_norm_matches_add_then_norm(ops, cls, dtype, tokens, size) -> None:
+    norm = make_norm(cls, size, dtype)
+    g = torch.Generator().manual_seed(size)
+    x, residual = torch.randn(tokens, size, generator=g).to(dtype), torch.randn(tokens, size, generator=g).to(dtype)
+    expected_residual = x + residual
+    expected = hf_rms_norm(expected_residual, norm.weight, norm.eps, cls is GemmaRMSNorm)
+    out, new_residual = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(ops, dtype) -> None:
+    """Qwen3's q/k norms run on [T, heads, d] views of the packed qkv output."""
+    norm = make_norm(RMSNorm, 16, dtype)
+    qkv = torch.randn(9, 3 * 4 * 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = qkv[:, :64].view(9, 4, 16)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(norm(q), hf_rms_norm(q, norm.weight, norm.eps, False), **TOLERANCE[dtype])
+
+
+def test_norm_uses_the_torch_path_without_the_kernel(monkeypatch) -> None:
+    monkeypatch.setattr(norm_module, "fused_ops_for", lambda *tensors: None)
+    norm = make_norm(RMSNorm, 48, torch.float32)
+    x, residual = torch.randn(3, 48), torch.randn(3, 48)
+    out, new_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, hf_rms_norm(x + residual, norm.weight, norm.eps, False), rtol=0, atol=0)
+
+
+def make_rotary(head_dim: int, max_positions: int, dtype: torch.dtype) -> RotaryEmbedding:
+    config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, rope_theta=10000.0)
+    return RotaryEmbedding(config, head_dim, max_positions, torch.device("cpu"), dtype)
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's apply_rotary_pos_emb for one tensor: x * cos + rotate_half(x) * sin."""
+    cos, sin = torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 8, 4, 64), (7, 3, 3, 18), (37, 8, 1, 32),
+                                                            (64, 16, 2, 128)])
+def test_rope_kernel_matches_reference_and_hf_in_place(ops, dtype, tokens, heads, kv_heads, head_dim) -> None:
+    rotary = make_rotary(head_dim, 300, dtype)
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    positions = torch.randint(0, 300, (tokens,), generator=g)
+    ref_q, ref_k = rotary.reference(positions, q, k)
+    hf_q, hf_k = (hf_rope(t, rotary.cos[positions], rotary.sin[positions]) for t in (q, k))
+    out_q, out_k = rotary(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place, no copies
+    for out, ref, hf in ((out_q, ref_q, hf_q), (out_k, ref_k, hf_k)):
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(out, hf, rtol=0, atol=0)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+def test_rope_rejects_positions_past_the_table(ops) -> None:
+    rotary = make_rotary(8, 10, torch.float32)
+    q, k = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        rotary(torch.tensor([3, 10]), q, k)
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
+@pytest.mark.parametrize("tokens,inter", [(1, 1408), (5, 77)])
+def test_gated_activations_match_act_then_mul(dtype, tokens, inter) -> None:
+    x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype)
+    gate, up = x[:, :inter], x[:, inter:]
+    torch.testing.assert_close(silu_and_mul(x), F.silu(gate) * up, rtol=0, atol=0)
+    torch.testing.assert_close(gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up, rtol=0, atol=0)
+
+
+def test_float16_and_other_devices_take_the_torch_path() -> None:
+    assert fused_ops_for(torch.empty(1, dtype=torch.float16)) is None
+    assert fused_ops_for(torch.empty(1), torch.empty(1, device="meta")) is None
+
+
+# --- the tiny model with and without the kernels ------------------------------------------------------------
+
+
+def test_tiny_model_same_tokens_and_logprobs_with_and_without_kernels(ops, tiny_llama_dir, monkeypatch) -> None:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", block_size=16, num_kv_blocks=64)
+    prompts = [[10 + i for i in range(7)], [200 + 3 * i for i in range(21)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    try:
+        with_kernels = llm.generate(prompts, params)
+        monkeypatch.setattr(norm_module, "fused_ops_for", lambda *tensors: None)
+        monkeypatch.setattr(rotary_module, "fused_ops_for", lambda *tensors: None)
+        without = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    for a, b in zip(with_kernels, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pairs = [*zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True),
+                 *zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)]
+        assert len(pairs) > 6
+        for entry_a, entry_b in pairs:
+            assert entry_a[0] == pytest.approx(entry_b[0], abs=1e-4)

@@ -1,0 +1,223 @@
+"""Paged attention: the C++ CPU kernel, the pure-torch path and a naive float64 reference agree.
+
+Each case builds a real step with ``InputBatch.prepare`` (decodes first, then prefill chunks) over
+shuffled, non-contiguous blocks, runs ``PagedAttention`` once with the kernel layout and once with the
+torch layout over copies of one random cache, and compares both with attention computed by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.step_types import NewRequestData, SchedulerOutput
+from worker.input_batch import InputBatch
+from worker.kernels import build
+from worker.layers.attention import PagedAttention, paged_attention_kernel
+
+KERNEL = paged_attention_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the C++ kernel could not be built here")
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+
+
+def run_step(specs: list[tuple[int, int]], *, kv_heads: int, group: int, dim: int = 64, block_size: int = 16,
+             dtype: torch.dtype = torch.float32, window: int | None = None, softcap: float | None = None,
+             use_kernel: bool, seed: int = 0) -> tuple:
+    """One step over requests (num_computed, num_scheduled): (out [T, H, d], cache after, q, blocks, sizes)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(c + n) // block_size) for c, n in specs]
+    pool = list(range(sum(needed) + 3))
+    rng.shuffle(pool)
+    heads, total = kv_heads * group, sum(n for _, n in specs)
+    cache = torch.randn(2, len(pool) * block_size, kv_heads, dim, generator=gen).to(dtype)
+    q = (torch.randn(total, heads, dim, generator=gen) * 2).to(dtype)
+    k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    sched = SchedulerOutput()
+    for i, ((c, n), blocks) in enumerate(zip(specs, split(pool, needed), strict=False)):
+        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], {"max_tokens": 1}, blocks, c))
+        sched.num_scheduled_tokens[f"r{i}"] = n
+    batch = InputBatch(block_size, torch.device("cpu"), group, [1], use_kernel=use_kernel)
+    batch.kernel_max_queries = 10**6  # the kernel serves cached-prefix chunks too
+    batch.update(sched)
+    inputs = batch.prepare(sched)
+    attn = PagedAttention(heads, kv_heads, dim, sliding_window=window, softcap=softcap)
+    out = attn(q, k, v, cache, inputs.meta).view(total, heads, dim).clone()
+    return out, cache, q, pool, needed
+
+
+def split(pool: list[int], sizes: list[int]) -> list[list[int]]:
+    out, at = [], 0
+    for size in sizes:
+        out.append(pool[at:at + size])
+        at += size
+    return out
+
+
+def row_starts(specs: list[tuple[int, int]]) -> list[int]:
+    """Where each request's queries sit: decodes first, then the rest, each group in request order."""
+    order = sorted(range(len(specs)), key=lambda i: specs[i][1] != 1)
+    starts, at = [0] * len(specs), 0
+    for i in order:
+        starts[i] = at
+        at += specs[i][1]
+    return starts
+
+
+def reference(specs, cache, q, pool, needed, *, kv_heads, group, block_size=16, window=None, softcap=None):
+    """Float64 attention per request, per head, from the cache after the step wrote its K/V."""
+    heads, dim = q.shape[1], q.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for (c, n), blocks, start in zip(specs, split(pool, needed), row_starts(specs), strict=True):
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(c + n)])
+        keys, values = cache[0, slots].double(), cache[1, slots].double()
+        for i in range(n):
+            pos = c + i
+            visible = torch.arange(c + n) <= pos
+            if window is not None:
+                visible &= torch.arange(c + n) > pos - window
+            for h in range(heads):
+                scores = keys[:, h // group] @ q[start + i, h].double() * dim ** -0.5
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=0)
+                out[start + i, h] = probs @ values[:, h // group]
+    return out
+
+
+def check(specs, **kw) -> None:
+    dtype = kw.get("dtype", torch.float32)
+    tol = TOLERANCE[dtype]
+    shape = {key: kw[key] for key in ("kv_heads", "group", "block_size", "window", "softcap") if key in kw}
+    torch_out, cache, q, pool, needed = run_step(specs, use_kernel=False, **kw)
+    kernel_out, kernel_cache, *_ = run_step(specs, use_kernel=True, **kw)
+    assert torch.equal(cache, kernel_cache)  # both wrote the step's K/V to the same slots
+    expected = reference(specs, cache, q, pool, needed, **shape)
+    torch.testing.assert_close(torch_out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(kernel_out.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(kernel_out.float(), torch_out.float(), atol=tol, rtol=tol)
+
+
+MIXED = [(0, 1), (15, 1), (16, 1), (17, 1), (47, 1), (0, 5), (16, 16), (31, 9), (5, 40)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_ratios_mixed_batch(group: int, dtype: torch.dtype) -> None:
+    check(MIXED, kv_heads=2, group=group, dtype=dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("context", [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200])
+def test_decode_at_block_boundaries(context: int) -> None:
+    check([(context - 1, 1), (context, 1), (context + 1, 1)], kv_heads=4, group=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window(window: int, dtype: torch.dtype) -> None:
+    check(MIXED + [(100, 1), (60, 30)], kv_heads=2, group=2, window=window, dtype=dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 9])
+def test_softcap(window: int | None) -> None:
+    check(MIXED, kv_heads=2, group=4, softcap=5.0, window=window)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [40, 80, 128])
+def test_head_dims_and_block_sizes(dim: int) -> None:
+    check([(0, 1), (8, 1), (9, 1), (8, 8), (3, 20)], kv_heads=1, group=3, dim=dim, block_size=8)
+
+
+@needs_kernel
+def test_cached_prefix_chunks_longer_than_a_query_tile() -> None:
+    check([(33, 50), (0, 70), (128, 1), (64, 17)], kv_heads=2, group=2)
+
+
+@needs_kernel
+def test_kernel_layout_sends_decodes_and_short_cached_prefix_chunks_to_the_kernel() -> None:
+    sched = SchedulerOutput()
+    for i, (c, n) in enumerate([(4, 1), (0, 6), (16, 6)]):
+        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], {}, [2 * i, 2 * i + 1], c))
+        sched.num_scheduled_tokens[f"r{i}"] = n
+    batch = InputBatch(16, torch.device("cpu"), 2, [1], use_kernel=True)
+    batch.update(sched)
+    batch.kernel_max_queries = 5
+    short_only = batch.prepare(sched).meta
+    assert short_only.paged.query_lens.tolist() == [1] and [c.num_computed for c in short_only.prefills] == [0, 16]
+    batch.kernel_max_queries = 6
+    meta = batch.prepare(sched).meta
+    assert meta.num_decodes == 0 and [c.num_computed for c in meta.prefills] == [0]  # the fresh chunk: SDPA
+    assert meta.paged.query_start.tolist() == [0, 7] and meta.paged.query_lens.tolist() == [1, 6]
+    assert meta.paged.context_lens.tolist() == [5, 22]
+    assert meta.paged.block_tables[0, 0] == 0 and meta.paged.block_tables[1].tolist() == [4, 5]
+
+
+def test_kernel_builds_where_a_compiler_is() -> None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here: the torch path serves")
+    assert KERNEL is not None, "a C++ compiler is present but the paged-attention kernel did not build"
+
+
+def load_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = "from worker.kernels import load_extension; print(load_extension('paged_attention'))"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
+
+
+def test_no_compiler_falls_back_with_one_warning_line() -> None:
+    result = load_in_subprocess({"CXX": "no-such-c++-compiler"})
+    assert result.returncode == 0 and result.stdout.strip() == "None"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "PyTorch fallback" in lines[0]
+
+
+def test_failed_build_falls_back_with_one_warning_line(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    code = f"from worker.kernels import load_extension; print(load_extension('broken', ({str(broken)!r},)))"
+    env = {**os.environ, "REDSERVE_KERNEL_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "None"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "failed to build" in lines[0], result.stderr
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    env = {**os.environ, "REDSERVE_KERNEL_CACHE_DIR": str(tmp_path / "cache")}
+    code = ("from pathlib import Path; from worker.kernels import build; "
+            f"d = build.cache_root() / ('broken-' + build.build_key([Path({str(broken)!r})])); "
+            "d.mkdir(parents=True); (d / 'lock').touch(); "  # what torch leaves when a build is killed
+            f"print(build.load_extension('broken', ({str(broken)!r},)))")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "None" and "failed to build" in result.stderr
+
+
+def test_build_key_follows_the_sources(tmp_path: Path) -> None:
+    source = tmp_path / "k.cpp"
+    source.write_text("int a;\n")
+    first = build.build_key([source])
+    assert build.build_key([source]) == first
+    source.write_text("int b;\n")
+    assert build.build_key([source]) != first
+
+
+@needs_kernel
+def test_install_entry_point_finds_the_built_kernel() -> None:
+    result = subprocess.run([sys.executable, "-m", "worker.kernels"], capture_output=True, text=True,
+                            timeout=300, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0 and "C++ kernel paged_attention: ready" in result.stdout

@@ -1,0 +1,114 @@
+"""Build and load redserve's C++ CPU kernels (``worker/kernels/csrc/<name>.cpp``) as torch extensions.
+
+Rules:
+- ``load_extension(name)`` returns the compiled module, or None when it cannot be had (no C++ compiler,
+  no ninja, a failed build, ``REDSERVE_NO_KERNELS=1`` or a comma list naming it, for A/B runs); a None
+  logs exactly one warning line and the caller uses its pure-PyTorch path. A result (module or None)
+  is kept for the life of the process.
+- Builds are cached in ``cache_root()`` (default ``~/.cache/redserve/kernels``), one dir
+  per (sources' content, torch version, compiler flags, CPU flags): ``-march=native`` code is only ever
+  loaded on the CPU it was built for, and an edit to a source or a torch upgrade builds afresh.
+- A file lock per build dir makes concurrent processes (engines, TP workers) build once and wait for it;
+  a build killed midway (timeout, Ctrl-C) leaves nothing that blocks the next one.
+- ``python -m worker.kernels`` builds every ``csrc/*.cpp`` (``make install`` runs it), so serving finds
+  the build in the cache instead of compiling on its first request.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
+def cache_root() -> Path:
+    """``$REDSERVE_KERNEL_CACHE_DIR``, else ``kernels/`` under ``$REDSERVE_CACHE_DIR`` (default ``~/.cache/redserve``)."""
+    if os.environ.get("REDSERVE_KERNEL_CACHE_DIR"):
+        return Path(os.environ["REDSERVE_KERNEL_CACHE_DIR"])
+    root = os.environ.get("REDSERVE_CACHE_DIR") or Path.home() / ".cache" / "redserve"
+    return Path(root) / "kernels"
+
+
+def available_extensions() -> list[str]:
+    """Names of the extensions whose sources ship in ``csrc/``."""
+    return sorted(path.stem for path in CSRC.glob("*.cpp"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+
+
+def build_key(sources: list[Path]) -> str:
+    """16 hex digits over everything that makes a build unfit for reuse."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), _cpu_flags()):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _missing_tool() -> str | None:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    try:
+        import ninja
+    except ImportError:
+        return "the ninja package is not installed"
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"  # torch runs `ninja` by name
+    return None
+
+
+@functools.cache
+def load_extension(name: str, sources: tuple[Path, ...] | None = None) -> ModuleType | None:
+    """The module built from ``sources`` (default ``csrc/<name>.cpp``), or None (one warning) if unbuildable."""
+    disabled = os.environ.get("REDSERVE_NO_KERNELS", "")
+    if disabled == "1" or name in disabled.split(","):
+        logger.warning("C++ kernel %r disabled by REDSERVE_NO_KERNELS=%s; using the PyTorch fallback", name, disabled)
+        return None
+    reason = _missing_tool()
+    if reason is not None:
+        logger.warning("C++ kernel %r not built (%s); using the PyTorch fallback", name, reason)
+        return None
+    paths = [Path(s) for s in sources] if sources else [CSRC / f"{name}.cpp"]
+    try:
+        return _build(name, paths)
+    except Exception as exc:  # a compiler error must never stop serving: the fallback is correct
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        first = next((line for line in lines if "error" in line.lower() and "building" not in line), lines[0])
+        logger.warning("C++ kernel %r failed to build (%s); using the PyTorch fallback", name, first[:200])
+        logger.debug("C++ kernel %r build error", name, exc_info=True)
+        return None
+
+
+def _build(name: str, sources: list[Path]) -> ModuleType:
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    build_dir = cache_root() / f"{name}-{build_key(sources)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(build_dir) + ".lock"):
+        # torch's own baton file: a build killed midway leaves it behind and every later load would wait on
+        # it forever. Under our lock (released by the OS when its holder dies) nobody else is building.
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
+                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)

@@ -1,0 +1,208 @@
+// Fused CPU ops for the decoder layers: RMSNorm (optionally with the residual add folded in) and RoPE
+// applied in place to q and k. One call replaces the 5-12 torch ops (and their temporaries) each of
+// these takes, which is what they cost at small batch. float32 and bfloat16 only; the Python side
+// sends anything else to its torch path.
+//
+// Rules: rounding follows the Hugging Face / PyTorch op sequence in the tensor's own dtype, so float32
+// agrees with the torch path up to summation order, and bfloat16 rounds at the same points: the norm
+// rounds x * rstd to the dtype before the weight multiply (Llama), or multiplies by (offset + w) in
+// float32 and rounds once (Gemma, offset 1); the residual add rounds its sum; RoPE rounds each product
+// and then the sum. No multiply-add contraction (the pragma), so a product and a sum round as two
+// torch ops do.
+
+#pragma GCC optimize("fp-contract=off")
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 18;  // below this many elements a call stays on one thread
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+struct Float32 {
+  using T = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float v) { return v; }
+};
+
+// Branch-free bfloat16 <-> float32 (round to nearest even, NaN kept quiet) that the compiler vectorises.
+struct BFloat16 {
+  using T = uint16_t;
+  static inline float load(uint16_t v) {
+    uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  static inline uint16_t store(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return f != f ? static_cast<uint16_t>(0x7fc0u) : static_cast<uint16_t>(rounded);
+  }
+};
+
+template <typename S>
+inline float round_to(float v) { return S::load(S::store(v)); }
+
+// One row: out = norm(x) * (offset + w), rounded as the rules say. out may alias x.
+template <typename S>
+void norm_row(typename S::T* out, const typename S::T* x, const typename S::T* w, int64_t n, float eps,
+              float offset) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += S::load(x[i]) * S::load(x[i]);
+  const float rstd = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  if (offset == 0.f) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = S::store(round_to<S>(S::load(x[i]) * rstd) * S::load(w[i]));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = S::store(S::load(x[i]) * rstd * (offset + S::load(w[i])));
+  }
+}
+
+// residual = x + residual, rounded to the dtype.
+template <typename S>
+void add_row(typename S::T* residual, const typename S::T* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] = S::store(S::load(x[i]) + S::load(residual[i]));
+}
+
+// Neox-style rotation of one head's halves, in place.
+template <typename S>
+void rotate_head(typename S::T* __restrict x1, typename S::T* __restrict x2, const typename S::T* __restrict cos,
+                 const typename S::T* __restrict sin, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = S::load(x1[i]), b = S::load(x2[i]), c = S::load(cos[i]), s = S::load(sin[i]);
+    x1[i] = S::store(round_to<S>(a * c) - round_to<S>(b * s));
+    x2[i] = S::store(round_to<S>(b * c) + round_to<S>(a * s));
+  }
+}
+
+struct Rows {  // a 2-D [tokens, n] or 3-D [tokens, heads, n] view with a contiguous last dim
+  int64_t tokens, heads, n, token_stride, head_stride;
+};
+
+Rows rows_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2 || t.dim() == 3, name, " must be 2-D [tokens, n] or 3-D [tokens, heads, n]");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+  const bool three = t.dim() == 3;
+  return {t.size(0), three ? t.size(1) : 1, t.size(-1), t.stride(0), three ? t.stride(1) : 0};
+}
+
+template <typename S>
+typename S::T* ptr(const at::Tensor& t) { return reinterpret_cast<typename S::T*>(t.data_ptr()); }
+
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(-1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous, of x's last size and dtype");
+}
+
+template <typename Fn>
+void dispatch(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kFloat) {
+    fn(Float32{});
+  } else if (dtype == at::kBFloat16) {
+    fn(BFloat16{});
+  } else {
+    TORCH_CHECK(false, "fused_ops supports float32 and bfloat16, got ", dtype);
+  }
+}
+
+// out = norm(x) row by row; x and out 2-D or 3-D views with a contiguous last dim; out may alias x.
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  const Rows xr = rows_of(x, "x"), orow = rows_of(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must match x");
+  check_weight(weight, x);
+  dispatch(x.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    auto* xp = ptr<S>(x);
+    auto* op = ptr<S>(out);
+    const auto* wp = ptr<S>(weight);
+    at::parallel_for(0, xr.tokens, grain_rows(xr.heads * xr.n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < xr.heads; ++h)
+          norm_row<S>(op + t * orow.token_stride + h * orow.head_stride, xp + t * xr.token_stride + h * xr.head_stride,
+                      wp, xr.n, static_cast<float>(eps), static_cast<float>(offset));
+    });
+  });
+}
+
+// residual += x; x = norm(residual), both in place (contiguous [tokens, n]).
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps, double offset) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && residual.is_contiguous(),
+              "x and residual must be contiguous 2-D CPU tensors");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual must match x");
+  check_weight(weight, x);
+  const int64_t tokens = x.size(0), n = x.size(1);
+  dispatch(x.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    auto* xp = ptr<S>(x);
+    auto* rp = ptr<S>(residual);
+    const auto* wp = ptr<S>(weight);
+    at::parallel_for(0, tokens, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        add_row<S>(rp + t * n, xp + t * n, n);
+        norm_row<S>(xp + t * n, rp + t * n, wp, n, static_cast<float>(eps), static_cast<float>(offset));
+      }
+    });
+  });
+}
+
+// q [T, Hq, d] and k [T, Hk, d] rotated in place by rows positions[t] of cos and sin [P, d / 2].
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
+                      const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [tokens, heads, head_dim]");
+  const Rows qr = rows_of(q, "q"), kr = rows_of(k, "k");
+  TORCH_CHECK(qr.tokens == kr.tokens && qr.n == kr.n && positions.numel() == qr.tokens, "q, k, positions mismatch");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.device().is_cpu(),
+              "positions must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(1) * 2 == qr.n, "cos and sin must be contiguous [positions, head_dim / 2]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(), "q, k, cos and sin must share a dtype");
+  const int64_t half = qr.n / 2, max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < qr.tokens; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
+  dispatch(q.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    auto* qp = ptr<S>(q);
+    auto* kp = ptr<S>(k);
+    const auto* cp = ptr<S>(cos);
+    const auto* sp = ptr<S>(sin);
+    at::parallel_for(0, qr.tokens, grain_rows((qr.heads + kr.heads) * qr.n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* c = cp + pos[t] * half;
+        const auto* sn = sp + pos[t] * half;
+        for (int64_t h = 0; h < qr.heads; ++h) {
+          auto* head = qp + t * qr.token_stride + h * qr.head_stride;
+          rotate_head<S>(head, head + half, c, sn, half);
+        }
+        for (int64_t h = 0; h < kr.heads; ++h) {
+          auto* head = kp + t * kr.token_stride + h * kr.head_stride;
+          rotate_head<S>(head, head + half, c, sn, half);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * (offset + w); out may alias x");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
+  m.def("rotary_embedding", &rotary_embedding, "neox RoPE on q and k, in place");
+}

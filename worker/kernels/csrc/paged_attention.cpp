@@ -1,0 +1,234 @@
+// Paged attention on the CPU, straight from the block-paged KV cache (no gather copy).
+//
+// One call serves any mix of sequences: decodes (one query) and prefill chunks whose earlier tokens
+// sit in the cache. Sequence s owns query rows [query_start[s], query_start[s] + query_lens[s]) of q,
+// has context_lens[s] keys in the cache (its own new tokens included, already written), and its
+// query i sits at position context_lens[s] - query_lens[s] + i. A task is (sequence, tile of up to
+// kQueryTile queries, KV heads): it walks the sequence's blocks once, scores every query head of each
+// GQA group against each key of its KV head, and keeps an online softmax in fp32, so each cached K/V
+// row is read once per task. Rules: causal; a window W keeps keys at k > q - W; softcap c maps s to c * tanh(s / c).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Loads as fp32. bfloat16 is read as its raw bits: GCC vectorizes the shift, not c10::BFloat16's struct.
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(uint16_t bf16_bits) {
+  const uint32_t bits = static_cast<uint32_t>(bf16_bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline const float* storage(const float* p) { return p; }
+inline const double* storage(const double* p) { return p; }
+inline const c10::Half* storage(const c10::Half* p) { return p; }
+inline const uint16_t* storage(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+// Scores of one query row against keys [jlo, jhi) of a block, four keys per pass over the head dim
+// (one query load feeds four independent FMA chains).
+template <typename T>
+inline void score_keys(const float* q, const T* k, int64_t key_stride, int64_t jlo, int64_t jhi, int64_t d,
+                       float* scores) {
+  int64_t j = jlo;
+  for (; j + 4 <= jhi; j += 4) {
+    const T *k0 = k + j * key_stride, *k1 = k0 + key_stride, *k2 = k1 + key_stride, *k3 = k2 + key_stride;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t e = 0; e < d; ++e) {
+      const float qe = q[e];
+      s0 += qe * to_float(k0[e]);
+      s1 += qe * to_float(k1[e]);
+      s2 += qe * to_float(k2[e]);
+      s3 += qe * to_float(k3[e]);
+    }
+    scores[j] = s0, scores[j + 1] = s1, scores[j + 2] = s2, scores[j + 3] = s3;
+  }
+  for (; j < jhi; ++j) {
+    const T* kj = k + j * key_stride;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t e = 0; e < d; ++e) s += q[e] * to_float(kj[e]);
+    scores[j] = s;
+  }
+}
+
+// acc[e] += sum_j p[j] * v[j][e] over keys [jlo, jhi): the accumulator stays in registers across keys.
+// acc += p[j] * v[j] for keys [jlo, jhi): key-outer, so each value row streams through once.
+template <typename T>
+inline void accumulate_values(float* acc, const float* p, const T* v, int64_t value_stride, int64_t jlo,
+                              int64_t jhi, int64_t d) {
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const T* vj = v + j * value_stride;
+    const float pj = p[j];
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) acc[e] += pj * to_float(vj[e]);
+  }
+}
+
+struct Task {
+  int64_t seq, first, count;     // first: index of the tile's first query within its sequence
+  int64_t head_begin, head_end;  // KV heads; all of them when there are enough tasks without splitting
+};
+
+struct Shape {
+  int64_t heads, kv_heads, group, dim, block_size, window;
+  float scale, softcap;
+};
+
+template <typename T>
+struct Views {
+  const T* q; T* out; const T* k; const T* v;
+  int64_t q_row, q_head, out_row, out_head, kv_slot, kv_head;
+  const int32_t* tables; int64_t table_row;
+  const int32_t* query_start; const int32_t* query_lens; const int32_t* context_lens;
+};
+
+// Scratch of one thread, sized once per parallel chunk: queries, accumulators, scores of one block.
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores;
+  Scratch(int64_t rows, int64_t dim, int64_t block_size)
+      : q(rows * dim), acc(rows * dim), m(rows), l(rows), scores(rows * block_size) {}
+};
+
+template <typename T>
+void run_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
+  const int64_t per_head = t.count * s.group, rows = (t.head_end - t.head_begin) * per_head;
+  const int64_t d = s.dim, bs = s.block_size;
+  const int64_t context = w.context_lens[t.seq];
+  const int64_t first_pos = context - w.query_lens[t.seq] + t.first;
+  const int64_t row0 = w.query_start[t.seq] + t.first;
+  for (int64_t r = 0; r < rows; ++r) {  // row r: head head_begin + r / per_head, query (r % per_head) / group
+    const int64_t head = t.head_begin + r / per_head, i = r % per_head / s.group, g = r % s.group;
+    const T* src = w.q + (row0 + i) * w.q_row + (head * s.group + g) * w.q_head;
+    float* dst = x.q.data() + r * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]) * s.scale;
+  }
+  std::fill_n(x.acc.begin(), rows * d, 0.f);
+  std::fill_n(x.m.begin(), rows, kNegInf);
+  std::fill_n(x.l.begin(), rows, 0.f);
+  const int64_t last_pos = first_pos + t.count - 1;
+  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) : 0;
+  const int32_t* table = w.tables + t.seq * w.table_row;
+  for (int64_t b = lo / bs; b <= last_pos / bs; ++b) {
+    const int64_t begin = std::max(lo, b * bs), end = std::min(last_pos + 1, (b + 1) * bs);
+    const int64_t n = end - begin;
+    const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head = t.head_begin + r / per_head;
+      const T* keys = w.k + slot0 * w.kv_slot + head * w.kv_head;
+      const T* values = w.v + slot0 * w.kv_slot + head * w.kv_head;
+      // Keys visible to this row form one range of the block: pos <= qpos and pos > qpos - window.
+      const int64_t qpos = first_pos + r % per_head / s.group;
+      const int64_t jlo = s.window > 0 ? std::clamp<int64_t>(qpos - s.window + 1 - begin, 0, n) : 0;
+      const int64_t jhi = std::clamp<int64_t>(qpos + 1 - begin, 0, n);
+      if (jlo >= jhi) continue;
+      float* sc = x.scores.data() + r * bs;
+      score_keys(x.q.data() + r * d, storage(keys), w.kv_slot, jlo, jhi, d, sc);
+      if (s.softcap > 0.f) {
+        for (int64_t j = jlo; j < jhi; ++j) sc[j] = s.softcap * std::tanh(sc[j] / s.softcap);
+      }
+      const float m_new = std::max(x.m[r], *std::max_element(sc + jlo, sc + jhi));
+      const float correction = std::exp(x.m[r] - m_new);
+      float sum = 0.f;
+      for (int64_t j = jlo; j < jhi; ++j) {
+        sc[j] = std::exp(sc[j] - m_new);
+        sum += sc[j];
+      }
+      x.l[r] = x.l[r] * correction + sum;
+      x.m[r] = m_new;
+      float* acc = x.acc.data() + r * d;
+      if (correction != 1.f) {
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) acc[e] *= correction;
+      }
+      accumulate_values(acc, sc, storage(values), w.kv_slot, jlo, jhi, d);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = t.head_begin + r / per_head, i = r % per_head / s.group, g = r % s.group;
+    const float inv = 1.f / x.l[r];
+    T* dst = w.out + (row0 + i) * w.out_row + (head * s.group + g) * w.out_head;
+    const float* acc = x.acc.data() + r * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[e] * inv);
+  }
+}
+
+// Tiles of up to kQueryTile queries per sequence. A task takes all KV heads of a tile (each block is then
+// read as one contiguous run of rows) unless that leaves too few tasks for the threads; then one head each.
+std::vector<Task> make_tasks(const at::Tensor& query_lens, int64_t kv_heads) {
+  std::vector<Task> tiles;
+  const int32_t* lens = query_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < query_lens.size(0); ++s) {
+    for (int64_t first = 0; first < lens[s]; first += kQueryTile) {
+      tiles.push_back({s, first, std::min<int64_t>(kQueryTile, lens[s] - first), 0, kv_heads});
+    }
+  }
+  if (static_cast<int64_t>(tiles.size()) >= 4 * at::get_num_threads()) return tiles;
+  std::vector<Task> tasks;
+  for (const Task& tile : tiles) {
+    for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({tile.seq, tile.first, tile.count, h, h + 1});
+  }
+  return tasks;
+}
+
+void check_int32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.stride(-1) == 1, name,
+              " must be an int32 CPU tensor, contiguous in its last dim");
+}
+
+}  // namespace
+
+// out, q: [T, H, d]; k_cache, v_cache: [num_slots, KVH, d]; block_tables: int32 [S, max_blocks];
+// query_start, query_lens, context_lens: int32 [S]. Writes only the query rows the sequences own.
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
+                     double softcap) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "expected q/out [T, H, d] and k_cache/v_cache [num_slots, KVH, d]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(), "q, out and the cache must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1 &&
+                  k_cache.strides() == v_cache.strides(), "the head dim must be contiguous");
+  check_int32(block_tables, "block_tables");
+  check_int32(query_start, "query_start");
+  check_int32(query_lens, "query_lens");
+  check_int32(context_lens, "context_lens");
+  const int64_t heads = q.size(1), kv_heads = k_cache.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  const Shape shape{heads, kv_heads, heads / kv_heads, q.size(2), block_size, window,
+                    static_cast<float>(scale), static_cast<float>(softcap)};
+  const std::vector<Task> tasks = make_tasks(query_lens, kv_heads);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    const Views<scalar_t> views{q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                                v_cache.data_ptr<scalar_t>(), q.stride(0), q.stride(1), out.stride(0),
+                                out.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                                query_start.data_ptr<int32_t>(), query_lens.data_ptr<int32_t>(),
+                                context_lens.data_ptr<int32_t>()};
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(kQueryTile * shape.heads, shape.dim, block_size);
+      for (int64_t i = begin; i < end; ++i) run_task(tasks[i], views, shape, scratch);
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Paged attention over a block-paged KV cache (CPU)");
+}
