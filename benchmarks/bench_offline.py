@@ -36,7 +36,7 @@ def bench_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> float:
     device = torch.device(llm.config.device)
     synchronize(device)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     synchronize(device)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == out_len for o in outputs)
