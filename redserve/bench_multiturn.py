@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-from redserve.bench_serve import Client, percentile
+from redserve.bench_serve import Client, percentile, sse_chunks
 
 _SAMPLE = re.compile(r'^(redserve:[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$')
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -132,11 +132,7 @@ def _turn(client: Client, model: str, prompt: list[int], max_tokens: int) -> tup
         if resp.status != 200:
             resp.read()
             return False, 0.0, []
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in sse_chunks(resp):
             if "error" in chunk:
                 return False, 0.0, []
             for choice in chunk.get("choices") or []:

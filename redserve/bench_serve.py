@@ -16,9 +16,17 @@ import statistics
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+
+def sse_chunks(resp) -> Iterator[dict]:
+    """The JSON chunks of a streamed (SSE) response, up to ``data: [DONE]``."""
+    for raw in resp:
+        line = raw.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -75,11 +83,7 @@ class Client:
                 result.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
                 return result
             last = start
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     result.error = str(chunk["error"])
                     return result
