@@ -51,10 +51,15 @@ class Migrator:
         return resume_blocker(mb.add.params)
 
     def resume(self, mb: Mailbox, reason: str, wait_for_engine) -> None:
-        """Continue `mb` on a live engine other than its own; `wait_for_engine(mb)` parks it if none is READY."""
+        """Continue `mb` on another live engine, or on its own once restarted; `wait_for_engine(mb)` parks it
+        if none is READY (until `replace_wait`)."""
         c = self._client
+        # Its own engine is a fine target again once it is back as a new incarnation (a restart: DP=1).
+        cached = c.selector.live_engines(max_age=float("inf")).get(mb.engine_id, {})
+        gone = c._gone_engines()
+        exclude = [mb.engine_id, *gone] if cached.get("incarnation") == mb.incarnation else gone
         try:
-            info = c.selector.select(exclude=[mb.engine_id, *c._gone_engines()], token_ids=mb.add.prompt_token_ids)
+            info = c.selector.select(exclude=exclude, token_ids=mb.add.prompt_token_ids)
         except NoEngineAvailable:
             wait_for_engine(mb)
             return

@@ -167,6 +167,7 @@ def test_killed_engine_comes_back_and_unstarted_requests_survive(stack: Stack) -
     r = stack.redis()
     engine = stack.child("engine-0")
     old_incarnation = r.hget(KEYS.engine("0"), "incarnation")
+    live = open_stream(stack, max_tokens=1500)  # mid-stream when the engine dies: resumes on its restart
     threads, results = queue_unstarted(stack, r, engine)
     os.kill(engine, signal.SIGKILL)
     killed = time.monotonic()
@@ -178,9 +179,11 @@ def test_killed_engine_comes_back_and_unstarted_requests_survive(stack: Stack) -
     for t in threads:
         t.join(timeout=90)
     lost = sum(1 for code in results if code != 200)
-    MATRIX.append(("engine-0 kill -9", f"un-started requests: {sorted(map(str, results))}", f"{recovered:.1f} s",
-                   f"{lost} of 3"))
+    wait_for(lambda: live.outcome != "open", 90, "the live stream to end")
+    MATRIX.append(("engine-0 kill -9", f"live stream: {live.outcome}; un-started requests: {sorted(map(str, results))}",
+                   f"{recovered:.1f} s", f"{lost} of 3"))
     assert results == [200, 200, 200], f"un-started requests did not survive the engine restart: {results}"
+    assert live.outcome == "completed", f"the live stream did not resume on the restarted engine: {live.outcome}"
     assert stack.proc.poll() is None
     assert 'redserve_child_restarts_total{child="engine-0"} 1.0' in restarts(stack)
     assert "engine-0 was killed by SIGKILL" in stack.log()
