@@ -213,13 +213,17 @@ class EngineHeartbeat:
     """Daemon thread calling `registry.heartbeat(engine_id, ttl)` every `interval` (default ttl/3).
 
     Redis errors are logged and retried at the next beat; they never stop the thread. When the
-    incarnation was declared dead, `on_declared_dead()` is called (at every beat until it rejoins).
+    incarnation was declared dead, `on_declared_dead()` is called (at every beat until it rejoins);
+    when the beat had to restore the registration (Redis restarted empty), `on_restored()` is, so the
+    engine can publish again what else Redis lost (its prefix index).
     """
 
     def __init__(self, registry: EngineRegistry, engine_id: str, ttl: float = 10.0, interval: float | None = None,
-                 on_declared_dead: Callable[[], None] | None = None) -> None:
+                 on_declared_dead: Callable[[], None] | None = None,
+                 on_restored: Callable[[], None] | None = None) -> None:
         self._registry = registry
         self._on_declared_dead = on_declared_dead
+        self._on_restored = on_restored
         self._engine_id = engine_id
         self._ttl = ttl
         self._interval = interval if interval is not None else ttl / 3
@@ -245,7 +249,7 @@ class EngineHeartbeat:
 
     def _beat(self) -> None:
         try:
-            self._registry.heartbeat(self._engine_id, self._ttl)
+            restored = self._registry.heartbeat(self._engine_id, self._ttl)
         except DeclaredDead as e:
             logger.warning("%s", e)
             if self._on_declared_dead is not None:
@@ -257,3 +261,5 @@ class EngineHeartbeat:
         if self._failing:
             logger.info("engine %s: heartbeat works again", self._engine_id)
             self._failing = False
+        if restored and self._on_restored is not None:
+            self._on_restored()

@@ -135,7 +135,8 @@ class EngineServer:
         self._register()
         self.presence.start()
         heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl,
-                                    on_declared_dead=lambda: self.input_queue.put((_REJOIN, None))).start()
+                                    on_declared_dead=lambda: self.input_queue.put((_REJOIN, None)),
+                                    on_restored=self._index_lost.set).start()  # Redis lost the index too
         try:
             self.core = EngineCore(self.config, dp_rank=self.dp_rank)
         except Exception:

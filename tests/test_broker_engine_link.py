@@ -99,6 +99,24 @@ def test_heartbeat_restores_registration_after_flush(registry, redis_client, red
     assert ready["model"] == "m" and ready["num_kv_blocks"] == 10
 
 
+def test_heartbeat_thread_reports_a_restored_registration(registry, redis_admin):
+    """Redis restarted empty: the beat that restores the registration tells the engine (which then
+    publishes its prefix index again), once, and not on ordinary beats."""
+    registry.register("e0", {})
+    registry.mark_ready("e0", 10, 16, 128)
+    restored = []
+    beat = EngineHeartbeat(registry, "e0", ttl=5, interval=0.05, on_restored=lambda: restored.append(1)).start()
+    try:
+        time.sleep(0.3)
+        assert restored == []
+        redis_admin.flushdb()
+        assert _eventually(lambda: restored == [1], timeout=3)
+        time.sleep(0.3)
+        assert restored == [1]
+    finally:
+        beat.stop()
+
+
 def test_heartbeat_thread(registry):
     registry.register("e0", {})
     registry.mark_ready("e0", 10, 16, 128)
