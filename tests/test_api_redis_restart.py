@@ -3,10 +3,16 @@ serves again once Redis is back (engines restore their registration, API process
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import redis
 import requests
 
 from broker.redis_server import EmbeddedRedis
@@ -37,13 +43,22 @@ def _stream(base_url: str, results: list, first_token: threading.Event) -> None:
     results.append((outcome, time.monotonic() - started))
 
 
-def test_redis_restart_ends_every_stream_and_the_stack_recovers(tiny_llama_dir, tmp_path) -> None:
+@contextlib.contextmanager
+def running_stack(model_dir: str, tmp_path) -> Iterator[tuple[EmbeddedRedis, ApiStack]]:
+    """A Redis of its own (these tests restart it), an engine and one API server, all stopped at the end."""
     redis_server = EmbeddedRedis().start()
-    stack = ApiStack(tiny_llama_dir, tmp_path, redis_server)
+    stack = ApiStack(model_dir, tmp_path, redis_server)
     try:
         stack.start_engine()
         stack.api, stack.base_url = stack.spawn_api("api")
         stack.wait_healthy(stack.base_url)
+        yield redis_server, stack
+    finally:
+        stack.close()
+
+
+def test_redis_restart_ends_every_stream_and_the_stack_recovers(tiny_llama_dir, tmp_path) -> None:
+    with running_stack(tiny_llama_dir, tmp_path) as (redis_server, stack):
         results: list = []
         first = [threading.Event() for _ in range(4)]
         threads = [threading.Thread(target=_stream, args=(stack.base_url, results, ev)) for ev in first]
@@ -71,24 +86,13 @@ def test_redis_restart_ends_every_stream_and_the_stack_recovers(tiny_llama_dir, 
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
         assert stack.engine.poll() is None and stack.api.poll() is None
-    finally:
-        stack.close()
 
 
 def test_requests_not_started_survive_a_redis_restart(tiny_llama_dir, tmp_path) -> None:
     """Requests queued on a paused engine when Redis restarts (empty: their ADDs are gone) are sent again
     by their API process once Redis is back, and complete with the same text as before the fault."""
-    import os
-    import signal
-    from concurrent.futures import ThreadPoolExecutor
-
     body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}
-    redis_server = EmbeddedRedis().start()
-    stack = ApiStack(tiny_llama_dir, tmp_path, redis_server)
-    try:
-        stack.start_engine()
-        stack.api, stack.base_url = stack.spawn_api("api")
-        stack.wait_healthy(stack.base_url)
+    with running_stack(tiny_llama_dir, tmp_path) as (redis_server, stack):
         url = f"{stack.base_url}/v1/completions"
         expected = requests.post(url, json=body, timeout=30).json()["choices"][0]["text"]
         os.kill(stack.engine.pid, signal.SIGSTOP)
@@ -105,14 +109,10 @@ def test_requests_not_started_survive_a_redis_restart(tiny_llama_dir, tmp_path) 
             os.kill(stack.engine.pid, signal.SIGCONT)
         assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
         assert [a.json()["choices"][0]["text"] for a in answers] == [expected] * 3
-    finally:
-        stack.close()
 
 
 def redis_server_pending(server: EmbeddedRedis) -> int:
     """ADDs waiting in every request stream (the paused engine has read none of them)."""
-    import redis
-
     r = redis.Redis.from_url(server.url)
     try:
         return sum(r.xlen(k) for k in r.scan_iter(match="*:req:*", _type="STREAM"))
