@@ -230,3 +230,11 @@ def api_stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
         yield stack
     finally:
         stack.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir: str):
+    """The tiny model's `api.tokenizer.ModelTokenizer` (the API tests' fake-broker apps use it)."""
+    from api.tokenizer import ModelTokenizer
+
+    return ModelTokenizer(tiny_llama_dir)

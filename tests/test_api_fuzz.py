@@ -16,9 +16,9 @@ import pytest
 import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_api_fake_broker import FakeClient, make_app, sse_events, tokenizer  # noqa: F401 - fixture
 
 from broker.messages import AddRequest, RequestOutput
+from tests.fake_broker import FakeClient, make_app, sse_events
 
 HUGE = [2**63, 2**63 - 1, -(2**63) - 1, 2**64, 10**30, -1, 0, 1, 128, 129, 2048, 4096]
 SURROGATES = st.sampled_from(["\ud800", "a\udfff b", "\udbff\udc00"])  # JSON escapes: lone ones (400), a pair

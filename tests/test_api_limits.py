@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import redis
 import requests
-from test_api_fake_broker import FakeClient, make_app, token_script, tokenizer  # noqa: F401 - fixture
 
 from api.app import create_app
 from api.config import ApiConfig
@@ -29,6 +28,7 @@ from broker.keys import RedisKeys
 from broker.messages import AbortRequests, AddRequest, RequestOutput, decode
 from broker.registry import EngineHeartbeat, EngineRegistry
 from broker.sampling_params import API_ONLY_FIELDS, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from tests.fake_broker import FakeClient, make_app, token_script
 
 USER = [{"role": "user", "content": "hi"}]
 TEN_MB = "hello world " * 873_814  # 10 MiB of text: ~5 M tokens, ~25 s to tokenize on one core
@@ -76,7 +76,7 @@ class CountingEncoder:
     ("/tokenize", {"prompt": TEN_MB}),
     ("/tokenize", {"messages": [{"role": "user", "content": TEN_MB}]}),
 ])
-def test_a_10mb_prompt_is_refused_without_tokenizing(http, tokenizer, monkeypatch, route, body) -> None:  # noqa: F811
+def test_a_10mb_prompt_is_refused_without_tokenizing(http, tokenizer, monkeypatch, route, body) -> None:
     state = http.application.extensions["redserve"]
     assert state.prompt_bound.max_chars_per_token == max(len(t) for t in tokenizer.tokenizer.get_vocab())
     counter = CountingEncoder(tokenizer.encode)
@@ -92,7 +92,7 @@ def test_a_10mb_prompt_is_refused_without_tokenizing(http, tokenizer, monkeypatc
     assert elapsed < 10, f"refusing a 10 MB prompt took {elapsed:.1f}s"  # tokenizing it takes ~25 s
 
 
-def test_a_prompt_under_the_character_bound_is_still_tokenized_and_checked(http, tokenizer, monkeypatch) -> None:  # noqa: F811
+def test_a_prompt_under_the_character_bound_is_still_tokenized_and_checked(http, tokenizer, monkeypatch) -> None:
     counter = CountingEncoder(tokenizer.encode)
     monkeypatch.setattr(tokenizer, "encode", counter)
     r = http.post("/v1/completions", json={"prompt": "a b " * 600, "max_tokens": 4})  # 2400 chars, > 256 tokens
@@ -131,7 +131,7 @@ def hold(add: AddRequest) -> list[RequestOutput | None]:
     return token_script([10, 11])(add)
 
 
-def test_prompts_times_n_count_against_the_in_flight_limit(tiny_llama_dir, tokenizer) -> None:  # noqa: F811
+def test_prompts_times_n_count_against_the_in_flight_limit(tiny_llama_dir, tokenizer) -> None:
     client = FakeClient(hold)
     http = make_app(tiny_llama_dir, tokenizer, client, max_queued_requests=4)
     too_many_n = http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3})
@@ -160,7 +160,7 @@ class BusyEngines(FakeClient):
         return [{**e, "waiting": self.waiting} for e in super().ready_engines()]
 
 
-def test_full_engine_queues_are_a_429(tiny_llama_dir, tokenizer) -> None:  # noqa: F811
+def test_full_engine_queues_are_a_429(tiny_llama_dir, tokenizer) -> None:
     client = BusyEngines(token_script([10, 11]))
     http = make_app(tiny_llama_dir, tokenizer, client, max_engine_waiting=100)
     client.waiting = 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_api_fake_broker import FakeClient, make_app, token_script, tokenizer  # noqa: F401
+from tests.fake_broker import FakeClient, make_app, token_script
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -29,7 +29,7 @@ ACCEPTED = [
 
 
 @pytest.fixture
-def http(tiny_llama_dir, tokenizer):  # noqa: F811
+def http(tiny_llama_dir, tokenizer):
     return make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(tokenizer.encode("a b c d"))))
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_api_fake_broker import FakeClient, make_app, sse_events, token_script, tokenizer  # noqa: F401 - fixture
 from test_tool_calls import ASK, TOOLS, assemble
 
 from api.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser, PartialCall
+from tests.fake_broker import FakeClient, make_app, sse_events, token_script
 
 LONG_ARGS = '{"city": "Paris\\u00e9", "days": 3, "note": "a long note that takes many tokens to write"}'
 TIME_ARGS = '{"zone": "utc"}'
@@ -64,7 +64,7 @@ def argument_pieces(deltas: list[dict], index: int) -> list[str]:
 
 
 @pytest.mark.parametrize("parser_name", list(OUTPUTS))
-def test_auto_streams_arguments_in_pieces(tiny_llama_dir, tokenizer, parser_name) -> None:  # noqa: F811
+def test_auto_streams_arguments_in_pieces(tiny_llama_dir, tokenizer, parser_name) -> None:
     tokens = tokenizer.encode(OUTPUTS[parser_name], add_special_tokens=False)
     app = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(tokens)), tool_call_parser=parser_name,
                    enable_auto_tool_choice=True)
@@ -86,7 +86,7 @@ def test_auto_streams_arguments_in_pieces(tiny_llama_dir, tokenizer, parser_name
     ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Paris", "days": 3}'),
     ("required", f'[{{"name": "get_weather", "parameters": {LONG_ARGS}}}]'),
 ], ids=["named", "required"])
-def test_forced_choices_stream_arguments_in_pieces(tiny_llama_dir, tokenizer, choice, output) -> None:  # noqa: F811
+def test_forced_choices_stream_arguments_in_pieces(tiny_llama_dir, tokenizer, choice, output) -> None:
     tokens = tokenizer.encode(output, add_special_tokens=False)
     app = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(tokens)))
     deltas, answer = stream_and_answer(app, {"messages": ASK, "tools": TOOLS, "tool_choice": choice,

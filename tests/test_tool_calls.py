@@ -18,12 +18,12 @@ import shutil
 import openai
 import pytest
 from openai import OpenAI
-from test_api_fake_broker import FakeClient, make_app, sse_events, token_script, tokenizer  # noqa: F401 - fixture
 
 from api.errors import ApiError
 from api.protocol import parse_chat_request
 from api.tokenizer import ModelTokenizer
 from api.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolCall
+from tests.fake_broker import FakeClient, make_app, sse_events, token_script
 
 KEY = "test-key"
 HERMES_TEMPLATE = """\
@@ -151,7 +151,7 @@ def test_forced_choices_become_grammars() -> None:
 HERMES_OUTPUT = 'Checking.<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
 
 
-def test_auto_parses_a_hermes_block(tiny_llama_dir, tokenizer) -> None:  # noqa: F811 - fixture
+def test_auto_parses_a_hermes_block(tiny_llama_dir, tokenizer) -> None:
     client = FakeClient(token_script(tokenizer.encode(HERMES_OUTPUT, add_special_tokens=False)))
     app = make_app(tiny_llama_dir, tokenizer, client, tool_call_parser="hermes", enable_auto_tool_choice=True)
     body = {"messages": ASK, "tools": TOOLS, "max_tokens": 100}
@@ -171,7 +171,7 @@ def test_auto_parses_a_hermes_block(tiny_llama_dir, tokenizer) -> None:  # noqa:
     assert plain["message"] == {"role": "assistant", "content": HERMES_OUTPUT}
 
 
-def test_auto_streams_plain_content_as_it_comes(tiny_llama_dir, tokenizer) -> None:  # noqa: F811 - fixture
+def test_auto_streams_plain_content_as_it_comes(tiny_llama_dir, tokenizer) -> None:
     text = "No tool is needed < here; the answer is four."
     client = FakeClient(token_script(tokenizer.encode(text, add_special_tokens=False)))
     app = make_app(tiny_llama_dir, tokenizer, client, tool_call_parser="hermes", enable_auto_tool_choice=True)
@@ -183,7 +183,7 @@ def test_auto_streams_plain_content_as_it_comes(tiny_llama_dir, tokenizer) -> No
     assert choices[-1]["finish_reason"] == "length" and not any("tool_calls" in c["delta"] for c in choices)
 
 
-def test_auto_without_the_server_flag_is_a_400(tiny_llama_dir, tokenizer) -> None:  # noqa: F811 - fixture
+def test_auto_without_the_server_flag_is_a_400(tiny_llama_dir, tokenizer) -> None:
     app = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script([5])), tool_call_parser="hermes")
     answer = app.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
     assert answer.status_code == 400 and "--enable-auto-tool-choice" in answer.get_json()["error"]["message"]
