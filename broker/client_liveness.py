@@ -144,6 +144,7 @@ class Maintenance:
         resend: list[Mailbox] = []
         resume: list[tuple[Mailbox, str]] = []
         with c._lock:
+            declared = dict(c._gone)  # the verdicts, kept for the reasons below even when the registry caught up
             for engine_id, (incarnation, _) in list(c._gone.items()):
                 if live.get(engine_id, {}).get("incarnation") != incarnation:
                     del c._gone[engine_id]  # deregistered, declared dead or restarted: the registry knows now
@@ -162,7 +163,7 @@ class Maintenance:
                 if not mb.got_output and mb.resubmits < c._resubmit_limit:
                     replace.append(mb)
                 elif mb.got_output and (blocker := self._migrator.blocker(mb)) is None:
-                    mb.gone_reason = mb.gone_reason or self._reason_locked(mb, live)
+                    mb.gone_reason = mb.gone_reason or self._reason(mb, live, declared)
                     resume.append((mb, mb.gone_reason))
                 else:
                     self._fail_gone_locked(mb, blocker if mb.got_output else None)
@@ -173,9 +174,14 @@ class Maintenance:
         for mb, reason in resume:
             self._migrator.resume(mb, reason, self._wait_for_engine)
 
-    def _reason_locked(self, mb: Mailbox, live: dict) -> str:
-        """Why `mb`'s engine counts as gone: engine_exited, engine_failed, engine_restarted or heartbeat_expired."""
-        gone = self._client._gone.get(mb.engine_id)
+    @staticmethod
+    def _reason(mb: Mailbox, live: dict, declared: dict[str, tuple[str | None, str]]) -> str:
+        """Why `mb`'s engine counts as gone: engine_exited, engine_failed, engine_restarted or heartbeat_expired.
+        `declared` is the client's verdicts as they were before this check pruned those the registry now
+        agrees with (an engine that failed and deregistered at once still failed, it did not expire)."""
+        if mb.engine_error is not None:
+            return "engine_failed"
+        gone = declared.get(mb.engine_id)
         if gone is not None and gone[0] == mb.incarnation:
             return gone[1]
         return "engine_restarted" if mb.engine_id in live else "heartbeat_expired"

@@ -240,3 +240,22 @@ def test_an_engine_whose_presence_comes_back_is_used_again(cluster, engines):  #
     assert collect(client.submit(add(first_token=2, max_tokens=2)))[-1].finish_reason == "length"
     outs += collect(handle, timeout=10)
     assert _tokens(outs) == [1000 + k for k in range(1, 41)] and handle.migrations == 0
+
+
+def test_an_engine_that_fails_and_deregisters_at_once_counts_as_failed(cluster, engines):  # noqa: F811
+    """The engine_failed outputs and the deregistration reach the client before its next liveness check:
+    the move is still reported as engine_failed (the registry catching up must not erase why)."""
+    e0, _ = engines("e0", step_delay=0.05), engines("e1")
+    moves = []
+    client = cluster.client(on_migration=lambda *move: moves.append(move), liveness_interval=30.0)
+    handle = client.submit(add(first_token=8, max_tokens=5, temperature=0), engine_id="e0")
+    outs = _started(handle, 2)
+    e0.hold()
+    with client._lock:  # the liveness check runs only after both events have landed
+        failed = RequestOutput(handle.request_id, 0, [], "error",
+                               error=make_error(ErrorCode.ENGINE_FAILED, "worker died"))
+        e0.publisher.publish({client.client_id: EngineOutputs("e0", [failed], time.time())}, [], None)
+        e0.stop()  # deregisters
+    outs += collect(handle, timeout=10)
+    assert _tokens(outs) == [8001, 8002, 8003, 8004, 8005] and outs[-1].error is None
+    assert moves == [("engine_failed", "e0", "e1")]
