@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.packed_gemm import MIN_ROWS, pack_for_gemm, packed_linear
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
 
@@ -104,8 +105,26 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """LM head split by vocabulary; logits are gathered to every rank (all ranks sample alike)."""
+    """LM head split by vocabulary; logits are gathered to every rank (all ranks sample alike).
+
+    On the CPU, from `MIN_ROWS` rows, the shard is multiplied through a oneDNN-packed copy made at the first
+    call after loading (`worker.layers.packed_gemm`); elsewhere, or where packing is off, ``F.linear``. Loading a shard, or
+    tying the head to the embedding (a new Parameter), makes the copy again at the next call."""
+
+    _packed: torch.Tensor | None = None
+    _packed_from: int | None = None  # data_ptr of the weight the packed copy was made from
+
+    def load_shard(self, param: nn.Parameter, loaded: Any, shard: str | None = None) -> None:
+        super().load_shard(param, loaded, shard)
+        self._packed_from = None
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._packed_from != self.weight.data_ptr():
+            self._packed, self._packed_from = pack_for_gemm(self.weight), self.weight.data_ptr()
+        if self._packed is None or hidden.dtype != self.weight.dtype or hidden.numel() < MIN_ROWS * hidden.shape[-1]:
+            return F.linear(hidden, self.weight)
+        return packed_linear(hidden, self._packed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = tp_all_gather_last_dim(self._local_logits(hidden))
         return logits[..., :self.vocab_size]
