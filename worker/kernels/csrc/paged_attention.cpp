@@ -7,6 +7,13 @@
 // kQueryTile queries, KV heads): it walks the sequence's blocks once, scores every query head of each
 // GQA group against each key of its KV head, and keeps an online softmax in fp32, so each cached K/V
 // row is read once per task. Rules: causal; a window W keeps keys at k > q - W; softcap c maps s to c * tanh(s / c).
+//
+// Decode tasks (one query) take a path of their own (run_decode_task): every row sees the same keys, so a
+// task walks each block slot by slot over all its KV heads (one contiguous run of memory per slot). Both
+// paths prefetch the next block's K/V rows (blocks sit anywhere in the cache) and take exp eight lanes at a
+// time on AVX2 (Cephes' expf polynomial, within 2 ulp of std::exp). Measured on a 2-core AVX2 EPYC, one
+// thread, fp32, tiny-model heads (benchmarks/bench_paged_attention.py --threads 1 --cpu-time): decode at
+// batch 64 1.3-1.5x faster than the per-row walk with scalar exp, batch 1 unchanged.
 
 #include <torch/extension.h>
 
@@ -18,6 +25,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -80,6 +91,50 @@ inline void accumulate_values(float* acc, const float* p, const T* v, int64_t va
   }
 }
 
+
+// p[j] = exp(p[j] - shift) for j in [lo, hi); returns their sum. The arguments are <= 0 (shift is the
+// running max), so exp's range reduction only meets underflow, which goes to 0 as std::exp does.
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_avx2(__m256 x) {  // Cephes' expf polynomial on [-ln2/2, ln2/2], 2^n from the exponent bits
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float exp_shifted_sum(float* p, int64_t lo, int64_t hi, float shift) {
+  int64_t j = lo;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(shift);
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+    _mm256_storeu_ps(p + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float lane : lanes) sum += lane;
+#endif
+  for (; j < hi; ++j) {
+    p[j] = std::exp(p[j] - shift);
+    sum += p[j];
+  }
+  return sum;
+}
+
 struct Task {
   int64_t seq, first, count;     // first: index of the tile's first query within its sequence
   int64_t head_begin, head_end;  // KV heads; all of them when there are enough tasks without splitting
@@ -128,6 +183,18 @@ void run_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
     const int64_t begin = std::max(lo, b * bs), end = std::min(last_pos + 1, (b + 1) * bs);
     const int64_t n = end - begin;
     const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
+    if (b < last_pos / bs) {  // the next block is elsewhere in memory: fetch its K/V rows while this one runs
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs;
+      const int64_t row_bytes = (t.head_end - t.head_begin) * w.kv_head * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0; j < bs; ++j) {
+        const char* kr = reinterpret_cast<const char*>(w.k + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
+        const char* vr = reinterpret_cast<const char*>(w.v + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(kr + off);
+          __builtin_prefetch(vr + off);
+        }
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = t.head_begin + r / per_head;
       const T* keys = w.k + slot0 * w.kv_slot + head * w.kv_head;
@@ -144,11 +211,7 @@ void run_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
       }
       const float m_new = std::max(x.m[r], *std::max_element(sc + jlo, sc + jhi));
       const float correction = std::exp(x.m[r] - m_new);
-      float sum = 0.f;
-      for (int64_t j = jlo; j < jhi; ++j) {
-        sc[j] = std::exp(sc[j] - m_new);
-        sum += sc[j];
-      }
+      const float sum = exp_shifted_sum(sc, jlo, jhi, m_new);
       x.l[r] = x.l[r] * correction + sum;
       x.m[r] = m_new;
       float* acc = x.acc.data() + r * d;
@@ -163,6 +226,100 @@ void run_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
     const int64_t head = t.head_begin + r / per_head, i = r % per_head / s.group, g = r % s.group;
     const float inv = 1.f / x.l[r];
     T* dst = w.out + (row0 + i) * w.out_row + (head * s.group + g) * w.out_head;
+    const float* acc = x.acc.data() + r * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[e] * inv);
+  }
+}
+
+
+// A decode task (one query per sequence): every row sees the same keys, so each block is walked slot by
+// slot, all the task's KV heads of a slot at once (one contiguous run of memory), every query head of a
+// GQA group scored against a key row while it is in registers; then the values the same way.
+template <typename T>
+void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
+  const int64_t nh = t.head_end - t.head_begin, rows = nh * s.group;
+  const int64_t d = s.dim, bs = s.block_size;
+  const int64_t context = w.context_lens[t.seq];
+  const int64_t qpos = context - 1;
+  const int64_t row0 = w.query_start[t.seq];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = w.q + row0 * w.q_row + (t.head_begin * s.group + r) * w.q_head;
+    float* dst = x.q.data() + r * d;
+    for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(src[e]) * s.scale;
+  }
+  std::fill_n(x.acc.begin(), rows * d, 0.f);
+  std::fill_n(x.m.begin(), rows, kNegInf);
+  std::fill_n(x.l.begin(), rows, 0.f);
+  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
+  const int32_t* table = w.tables + t.seq * w.table_row;
+  const int64_t row_bytes = nh * w.kv_head * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = lo / bs; b <= qpos / bs; ++b) {
+    const int64_t begin = std::max(lo, b * bs), end = std::min(qpos + 1, (b + 1) * bs);
+    const int64_t n = end - begin;
+    const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
+    if (b < qpos / bs) {  // the next block is elsewhere in memory: fetch its K/V rows while this one runs
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs;
+      for (int64_t j = 0; j < bs; ++j) {
+        const char* kr = reinterpret_cast<const char*>(w.k + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
+        const char* vr = reinterpret_cast<const char*>(w.v + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(kr + off);
+          __builtin_prefetch(vr + off);
+        }
+      }
+    }
+    if (nh == 1) {  // one KV head: its key rows are strided; four keys per pass feed four FMA chains
+      const auto* kblock = storage(w.k + slot0 * w.kv_slot + t.head_begin * w.kv_head);
+      for (int64_t r = 0; r < rows; ++r) {
+        score_keys(x.q.data() + r * d, kblock, w.kv_slot, 0, n, d, x.scores.data() + r * bs);
+      }
+    } else {  // slot by slot, all heads of a slot in one contiguous run
+      for (int64_t j = 0; j < n; ++j) {
+        const auto* krow = storage(w.k + (slot0 + j) * w.kv_slot + t.head_begin * w.kv_head);
+        for (int64_t h = 0; h < nh; ++h) {
+          const auto* kh = krow + h * w.kv_head;
+          for (int64_t g = 0; g < s.group; ++g) {
+            const float* q = x.q.data() + (h * s.group + g) * d;
+            float acc = 0.f;
+  #pragma omp simd reduction(+ : acc)
+            for (int64_t e = 0; e < d; ++e) acc += q[e] * to_float(kh[e]);
+            x.scores[(h * s.group + g) * bs + j] = acc;
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sc = x.scores.data() + r * bs;
+      if (s.softcap > 0.f) {
+        for (int64_t j = 0; j < n; ++j) sc[j] = s.softcap * std::tanh(sc[j] / s.softcap);
+      }
+      const float m_new = std::max(x.m[r], *std::max_element(sc, sc + n));
+      const float correction = std::exp(x.m[r] - m_new);
+      x.l[r] = x.l[r] * correction + exp_shifted_sum(sc, 0, n, m_new);
+      x.m[r] = m_new;
+      if (correction != 1.f) {
+        float* acc = x.acc.data() + r * d;
+#pragma omp simd
+        for (int64_t e = 0; e < d; ++e) acc[e] *= correction;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const auto* vrow = storage(w.v + (slot0 + j) * w.kv_slot + t.head_begin * w.kv_head);
+      for (int64_t h = 0; h < nh; ++h) {
+        const auto* vh = vrow + h * w.kv_head;
+        for (int64_t g = 0; g < s.group; ++g) {
+          const int64_t r = h * s.group + g;
+          const float p = x.scores[r * bs + j];
+          float* acc = x.acc.data() + r * d;
+#pragma omp simd
+          for (int64_t e = 0; e < d; ++e) acc[e] += p * to_float(vh[e]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / x.l[r];
+    T* dst = w.out + row0 * w.out_row + (t.head_begin * s.group + r) * w.out_head;
     const float* acc = x.acc.data() + r * d;
     for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[e] * inv);
   }
@@ -224,7 +381,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                                 context_lens.data_ptr<int32_t>()};
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       Scratch scratch(kQueryTile * shape.heads, shape.dim, block_size);
-      for (int64_t i = begin; i < end; ++i) run_task(tasks[i], views, shape, scratch);
+      for (int64_t i = begin; i < end; ++i) {
+        if (tasks[i].count == 1 && views.query_lens[tasks[i].seq] == 1) {
+          run_decode_task(tasks[i], views, shape, scratch);
+        } else {
+          run_task(tasks[i], views, shape, scratch);
+        }
+      }
     });
   });
 }
