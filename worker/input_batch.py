@@ -230,7 +230,7 @@ class InputBatch:
         slot_index = self._slot_table([blocks])[0, :context] if computed else None
         keys = torch.arange(context, device=self.device)
         queries = torch.arange(computed, context, device=self.device)
-        mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).repeat(self.group, 1)
+        mask = keys.unsqueeze(0) <= queries.unsqueeze(1)
         return PrefillChunk(start, n, computed, slot_index, mask)
 
     def sampling_batch(self, states: list[CachedRequestState]) -> SamplingBatch:

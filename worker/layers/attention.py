@@ -6,8 +6,11 @@ through its block table. The cache is slot-major, ``[2, num_slots, kv_heads, hea
 batch's context is one row-wise ``index_select`` (whole 2*kv_heads*d-byte rows, the fastest gather on
 CPU). Decode attention then runs as two batched matmuls against all KV heads at once, with each query
 masked to its own head's block (``head_mask``): the extra multiply-adds by zero cost far less than the
-copies a per-head layout would need, and K/V are never repeated for GQA. Prefill chunks use SDPA with
-GQA folded into the query axis. Runs on CPU and CUDA with plain torch ops.
+copies a per-head layout would need, and K/V are never repeated for GQA. Prefill chunks use SDPA on 4-D
+tensors with ``enable_gqa`` (K/V never repeated), the layout torch's fused flash kernel takes on the CPU:
+2x faster than the unfused path at 512 tokens, 3-6x at 2048 (one thread, fp32, AVX2; a chunk with no
+cached prefix and no window runs ``is_causal``, the rest with the chunk's [tokens, context] mask). Runs on
+CPU and CUDA with plain torch ops.
 
 On CPU, when the C++ kernel builds (``worker.kernels``, csrc/paged_attention.cpp), decodes instead go
 through one kernel call per layer that reads each cached K/V row once, straight from the cache through
@@ -46,12 +49,11 @@ class PrefillChunk:
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def window_mask(self, window: int) -> torch.Tensor:
-        """``causal_mask`` (rows: query heads of a group x tokens) narrowed to keys within ``window``."""
+        """``causal_mask`` ([tokens, context]) narrowed to keys within ``window``."""
         if window not in self.window_masks:
             context = self.num_computed + self.num_tokens
             device = self.causal_mask.device
-            group = self.causal_mask.shape[0] // self.num_tokens
-            queries = torch.arange(self.num_computed, context, device=device).repeat(group)
+            queries = torch.arange(self.num_computed, context, device=device)
             keys = torch.arange(context, device=device)
             self.window_masks[window] = self.causal_mask & (keys.unsqueeze(0) > queries.unsqueeze(1) - window)
         return self.window_masks[window]
@@ -170,15 +172,19 @@ class PagedAttention:
             k = k_cache.index_select(0, chunk.slot_index)
             v = v_cache.index_select(0, chunk.slot_index)
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
-        queries = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
         mask = chunk.causal_mask if self.sliding_window is None else chunk.window_mask(self.sliding_window)
         if self.softcap is None:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
-        else:
-            scores = self._capped(torch.matmul(queries, keys.transpose(1, 2)).float() * self.scale)
-            probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
-            out = torch.matmul(probs, values)
-        return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)
+            # 4-D with enable_gqa: the shape torch's fused (flash) CPU kernel takes; a chunk with nothing
+            # before it and no window is plainly causal, which lets the kernel skip the masked tiles.
+            causal = chunk.num_computed == 0 and self.sliding_window is None
+            out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+                                                 values.unsqueeze(0), attn_mask=None if causal else mask,
+                                                 is_causal=causal, scale=self.scale, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        queries = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
+        scores = self._capped(torch.matmul(queries, keys.transpose(1, 2)).float() * self.scale)
+        probs = torch.softmax(scores.masked_fill_(~mask.repeat(self.group, 1), float("-inf")), dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).view(self.num_heads, n, self.head_dim).transpose(0, 1)
 
     def _capped(self, scores: torch.Tensor) -> torch.Tensor:
         if self.softcap is None:
