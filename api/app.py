@@ -4,6 +4,9 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 POST /tokenize, POST /detokenize, GET /metrics.
 
 Rules:
+- The generation handlers (`api.completions`, `api.chat`) return an `api.answer.Answer`; this module alone
+  turns it into HTTP (`_respond`): its body as JSON, or its chunks as server-sent events (`sse_body`:
+  one compact ``data:`` line per chunk, a mid-stream error as OpenAI's error event, then ``data: [DONE]``).
 - Every error is OpenAI's error JSON (`api.errors`), including unknown routes (404), wrong methods
   (405), oversized bodies (413) and anything unexpected (500, logged); no input takes a process down.
 - With an API key configured, every route needs ``Authorization: Bearer <key>`` (401 otherwise, unknown
@@ -21,16 +24,18 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Generator, Iterator
 from importlib import metadata
 from typing import Any
 
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from api.answer import Answer, Chunk
 from api.chat import create_chat_completion
 from api.completions import create_completion
 from api.config import ApiConfig
-from api.errors import ApiError, bad_request
+from api.errors import ApiError, bad_request, sse_error
 from api.generation import ClientDisconnected
 from api.generation_defaults import apply_generation_defaults
 from api.log_safety import printable
@@ -44,6 +49,9 @@ from broker.log_limits import warn_every
 logger = logging.getLogger(__name__)
 
 STATE_KEY = "redserve"
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
@@ -70,12 +78,13 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
 
     @app.post("/v1/completions")
     def completions() -> Response:
-        return create_completion(state, apply_generation_defaults(_json_body(), state.generation_defaults), _probe())
+        body = apply_generation_defaults(_json_body(), state.generation_defaults)
+        return _respond(create_completion(state, body, _probe()))
 
     @app.post("/v1/chat/completions")
     def chat_completions() -> Response:
-        return create_chat_completion(state, apply_generation_defaults(_json_body(), state.generation_defaults),
-                                      _probe())
+        body = apply_generation_defaults(_json_body(), state.generation_defaults)
+        return _respond(create_chat_completion(state, body, _probe()))
 
     @app.get("/v1/models")
     def models() -> Response:
@@ -184,11 +193,8 @@ def _engine_summary(state: ApiState) -> str:
 
 
 def _status(code: int, status: str, engines: int) -> Response:
-    response = jsonify({"status": status, "ready_engines": engines})
-    response.status_code = code
-    if code == 503:
-        response.headers["Retry-After"] = "1"
-    return response
+    headers = {"Retry-After": "1"} if code == 503 else {}
+    return _respond(Answer(code, {"status": status, "ready_engines": engines}, headers=headers))
 
 
 def _version() -> str:
@@ -198,12 +204,36 @@ def _version() -> str:
         return "unknown"
 
 
-def _error_response(error: ApiError) -> Response:
-    response = jsonify(error.body())
-    response.status_code = error.status
-    for name, value in error.headers.items():
+def _respond(answer: Answer) -> Response:
+    """The HTTP response for a handler's `Answer`: its body as JSON, or its chunks as server-sent events."""
+    if answer.chunks is not None:
+        response = Response(sse_body(answer.chunks), mimetype="text/event-stream", headers=SSE_HEADERS)
+    else:
+        response = jsonify(answer.body)
+    response.status_code = answer.status
+    for name, value in answer.headers.items():
         response.headers[name] = value
     return response
+
+
+def sse_body(chunks: Generator[Chunk | ApiError, None, None]) -> Iterator[str]:
+    """One ``data:`` event per chunk (an ApiError as OpenAI's error event), then ``data: [DONE]``; nothing
+    more once the client has gone. Closing this closes the chunks (which aborts the request)."""
+    try:
+        for chunk in chunks:
+            if isinstance(chunk, ApiError):
+                yield sse_error(chunk)
+            else:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        yield DONE
+    except ClientDisconnected as e:
+        logger.info("request %s: client disconnected; aborted", e)
+    finally:
+        chunks.close()
+
+
+def _error_response(error: ApiError) -> Response:
+    return _respond(Answer.error(error))
 
 
 def _request_line() -> str:

@@ -29,24 +29,21 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from flask import Response, jsonify
-
+from api.answer import Answer
 from api.errors import bad_request
-from api.generation import SequenceDelta
+from api.generation import ChoiceOutput
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatRequest, parse_chat_request
 from api.serving import (
-    ChoiceResult,
     Run,
     admit,
     check_model,
+    chunk_stream,
     collect,
     context_length,
     fit_params,
     prefetched,
     prompt_token_ids,
-    sse_response,
-    sse_stream,
     start_run,
     token_namer,
     usage,
@@ -56,8 +53,9 @@ from api.tool_parsers import ExtractedToolCalls, PartialCall, ToolCall
 from api.tools import check_auto_allowed, tool_call_dicts
 
 
-def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Response:
-    """Answer one /v1/chat/completions body (ApiError for bad input; see the module rules)."""
+def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Answer:
+    """The answer to one /v1/chat/completions body: a JSON body or stream chunks (ApiError for bad input; see
+    the module rules)."""
     request = parse_chat_request(data)
     check_model(state, request.model)
     check_auto_allowed(request.tools, state.config.tool_call_parser, state.config.enable_auto_tool_choice)
@@ -69,8 +67,8 @@ def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable
         run = start_run(state, [prompt], params, request_id, is_disconnected, slots)
     view = _ChatView(state, request, run, request_id, prompt)
     if request.stream:
-        return sse_response(sse_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
-    return jsonify(view.response(collect(run)))
+        return Answer(chunks=chunk_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
+    return Answer(body=view.response(collect(run)))
 
 
 def render_prompt(state: ApiState, request: ChatRequest, max_model_len: int | None = None) -> list[int]:
@@ -115,7 +113,7 @@ class _ChatView:
             return ExtractedToolCalls(text)
         return self.request.tools.extract(text, self.state.config.tool_call_parser)
 
-    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+    def response(self, results: list[ChoiceOutput]) -> dict[str, Any]:
         choices = []
         for r in results:
             found = self._tool_calls(r.text)
@@ -136,7 +134,7 @@ class _ChatView:
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
             for i in range(self.request.params.n)]
 
-    def chunk(self, delta: SequenceDelta) -> list[dict[str, Any]]:
+    def chunk(self, delta: ChoiceOutput) -> list[dict[str, Any]]:
         if self._parses_tools:
             return self._tool_chunks(delta)
         if not delta.text and delta.finish_reason is None and not self.request.logprobs:
@@ -148,7 +146,7 @@ class _ChatView:
             choice["stop_reason"] = delta.stop_reason
         return [self._envelope("chat.completion.chunk", [choice])]
 
-    def _tool_chunks(self, delta: SequenceDelta) -> list[dict[str, Any]]:
+    def _tool_chunks(self, delta: ChoiceOutput) -> list[dict[str, Any]]:
         """Content up to any call marker as it comes, then the calls as they are written (see the rules)."""
         text = self._held_text.get(delta.index, "") + delta.text
         self._held_text[delta.index] = text

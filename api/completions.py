@@ -21,23 +21,20 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from flask import Response, jsonify
-
-from api.generation import SequenceDelta
+from api.answer import Answer
+from api.generation import ChoiceOutput
 from api.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from api.protocol import CompletionRequest, parse_completion_request
 from api.serving import (
-    ChoiceResult,
     Run,
     admit,
     check_model,
+    chunk_stream,
     collect,
     context_length,
     fit_params,
     prefetched,
     prompt_token_ids,
-    sse_response,
-    sse_stream,
     start_run,
     token_namer,
     usage,
@@ -45,8 +42,9 @@ from api.serving import (
 from api.state import ApiState
 
 
-def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Response:
-    """Answer one /v1/completions body (ApiError for bad input; see the module rules)."""
+def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Answer:
+    """The answer to one /v1/completions body: a JSON body or stream chunks (ApiError for bad input; see the
+    module rules)."""
     request = parse_completion_request(data)
     check_model(state, request.model)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -57,9 +55,8 @@ def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], 
         run = start_run(state, prompts, params, request_id, is_disconnected, slots)
     view = _CompletionView(state, request, run, prompts, request_id)
     if request.stream:
-        deltas = prefetched(run)
-        return sse_response(sse_stream(run, view.echo_chunks(), deltas, view.chunk, view.usage_chunks))
-    return jsonify(view.response(collect(run)))
+        return Answer(chunks=chunk_stream(run, view.echo_chunks(), prefetched(run), view.chunk, view.usage_chunks))
+    return Answer(body=view.response(collect(run)))
 
 
 class _CompletionView:
@@ -104,7 +101,7 @@ class _CompletionView:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.state.config.model_name, "choices": choices}
 
-    def response(self, results: list[ChoiceResult]) -> dict[str, Any]:
+    def response(self, results: list[ChoiceOutput]) -> dict[str, Any]:
         choices = []
         for result in results:
             text, logprobs = self._echo(result.index, result.prompt_logprobs) if self.request.echo else ("", None)
@@ -128,7 +125,7 @@ class _CompletionView:
         return [self._envelope([self._choice(i, *self._echo(i), None, None)])
                 for i in range(self.n * len(self.prompts))]
 
-    def chunk(self, delta: SequenceDelta) -> list[dict[str, Any]]:
+    def chunk(self, delta: ChoiceOutput) -> list[dict[str, Any]]:
         head = []
         if self.request.echo and delta.index not in self._echoed:
             head = [self._envelope([self._choice(delta.index, *self._echo(delta.index, delta.prompt_logprobs),

@@ -7,8 +7,9 @@ Rules:
 - `type` follows the status unless given: 400/404/405/413 invalid_request_error, 401
   authentication_error, 429 rate_limit_error, 503 service_unavailable_error, 504 timeout_error,
   else server_error. `code` is a short machine-readable string (or None).
-- `from_engine_error` maps a broker error string ("<ErrorCode>: detail") to a status: the engine
-  rejected the request -> 400, deadline -> 504, engine failure -> 500, engine or broker gone -> 503.
+- `engine_error(code, message)` maps a failed request's `ErrorCode` to a status: the engine rejected
+  the request -> 400, deadline -> 504, engine failure -> 500, engine or broker gone -> 503 (with
+  Retry-After); the body's `code` is the ErrorCode's value.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.messages import ErrorCode, error_code
+from broker.messages import ErrorCode, split_error
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -51,13 +52,16 @@ def unavailable(message: str, retry_after: int = 1, code: str = "no_engine_avail
     return ApiError(503, message, code=code, headers={"Retry-After": str(retry_after)})
 
 
-def from_engine_error(error: str) -> ApiError:
-    """The ApiError for a failed request's `RequestOutput.error`."""
-    code = error_code(error)
-    detail = error.split(":", 1)[1].strip() if ":" in error else error
+def engine_error(code: ErrorCode, message: str) -> ApiError:
+    """The ApiError for a request that failed in the engine or the broker (see the module rules)."""
     status = _ENGINE_STATUS.get(code, 503)
     headers = {"Retry-After": "1"} if status == 503 else None
-    return ApiError(status, detail, code=code, headers=headers)
+    return ApiError(status, message, code=code.value, headers=headers)
+
+
+def from_engine_error(error: str) -> ApiError:
+    """`engine_error` for the old "<code>: detail" text; compatibility until callers pass the code."""
+    return engine_error(*split_error(error))
 
 
 def sse_error(error: ApiError) -> str:

@@ -3,7 +3,7 @@
 Rules:
 - One `AddRequest` per prompt (ids ``{request_id}`` for one prompt, ``{request_id}-{p}`` for several);
   the engine expands n > 1. Its params are `SamplingParams.to_engine_dict()`: stop strings stay here. Choice index = prompt index * n + sequence index (OpenAI's order).
-- Iterating yields `SequenceDelta`s: text made final by the incremental detokenizer, after stop
+- Iterating yields `ChoiceOutput` deltas: text made final by the incremental detokenizer, after stop
   strings, with the tokens (and logprob entries) that produced it. Each choice ends with exactly one
   delta carrying its finish_reason ("stop", "length", or "abort" if the engine cut it).
 - The token that made the engine stop (EOS or one of stop_token_ids) counts as a completion token
@@ -29,7 +29,7 @@ from typing import Protocol
 
 from api.detokenizer import Decoder, IncrementalDetokenizer
 from api.stop_strings import StopStringMatcher
-from broker.messages import AddRequest, RequestOutput, error_code
+from broker.messages import AddRequest, ErrorCode, RequestOutput, error_code, make_error
 from broker.request_handle import RequestHandle
 from broker.sampling_params import SamplingParams
 
@@ -56,14 +56,28 @@ class Recorder(Protocol):
 
 
 @dataclass
-class SequenceDelta:
+class ChoiceOutput:
+    """One choice's output: what one engine output added to it (a delta, as `Generation` yields), or
+    the deltas joined by `add` (a non-streamed choice)."""
+
     index: int
-    text: str
+    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # the engine's entries for prompt tokens 1.. (first delta only)
+
+    def add(self, delta: ChoiceOutput) -> None:
+        """Append a later delta of the same choice."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 class _Sequence:
@@ -83,9 +97,8 @@ class _Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def apply(self, out: RequestOutput) -> SequenceDelta | None:
-        delta = SequenceDelta(self.index, "", logprobs=[] if out.logprobs else None,
-                              prompt_logprobs=out.prompt_logprobs)
+    def apply(self, out: RequestOutput) -> ChoiceOutput | None:
+        delta = ChoiceOutput(self.index, logprobs=[] if out.logprobs else None, prompt_logprobs=out.prompt_logprobs)
         tokens = out.new_token_ids
         hide_stop_token = out.finish_reason == "stop" and not self.show_stop_token
         shown = len(tokens) - 1 if hide_stop_token else len(tokens)
@@ -110,11 +123,11 @@ class _Sequence:
             return self._finish(delta, out.finish_reason, out.stop_reason)
         return delta if delta.text or delta.token_ids else None
 
-    def cut(self, reason: str) -> SequenceDelta:
+    def cut(self, reason: str) -> ChoiceOutput:
         """Finish without an engine output (the request ended under us)."""
-        return self._finish(SequenceDelta(self.index, ""), reason, None)
+        return self._finish(ChoiceOutput(self.index), reason, None)
 
-    def _finish(self, delta: SequenceDelta, reason: str, stop_reason: int | str | None) -> SequenceDelta:
+    def _finish(self, delta: ChoiceOutput, reason: str, stop_reason: int | str | None) -> ChoiceOutput:
         self.finish_reason = reason
         delta.finish_reason, delta.stop_reason = reason, stop_reason
         return delta
@@ -163,7 +176,7 @@ class Generation:
             raise
         return self
 
-    def __iter__(self) -> Iterator[SequenceDelta]:
+    def __iter__(self) -> Iterator[ChoiceOutput]:
         active = dict(enumerate(self._handles))
         next_check = time.monotonic() + self._poll_interval
         while active:
@@ -171,7 +184,7 @@ class Generation:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self._poll_interval
                 if self._is_disconnected():
-                    self._error = "client_disconnected: the client went away"
+                    self._error = make_error(ErrorCode.CLIENT_DISCONNECTED, "the client went away")
                     self.close()
                     raise ClientDisconnected(self.request_id)
             if got is None:
@@ -183,7 +196,7 @@ class Generation:
                 raise GenerationError(out.error)
             yield from self._apply(p, out, active)
 
-    def _apply(self, p: int, out: RequestOutput, active: dict[int, RequestHandle]) -> Iterator[SequenceDelta]:
+    def _apply(self, p: int, out: RequestOutput, active: dict[int, RequestHandle]) -> Iterator[ChoiceOutput]:
         seqs = self._seqs[p]
         if 0 <= out.index < len(seqs) and not seqs[out.index].finished:
             delta = seqs[out.index].apply(out)

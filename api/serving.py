@@ -1,5 +1,6 @@
 """Steps shared by /v1/completions and /v1/chat/completions: prompt checks, starting a generation,
-collecting it (non-streaming) or streaming it as server-sent events.
+collecting it (non-streaming) or turning it into stream chunks (`api.answer`; `api.app` sends them as
+server-sent events).
 
 Rules:
 - Everything that can be checked is checked before the engine sees the request: model name (404),
@@ -12,25 +13,22 @@ Rules:
 - An engine whose request stream is full (`EngineOverloaded`) is a 503 engine_overloaded with
   Retry-After: the request was never sent.
 - Streaming waits for the first delta before answering, so a request the engine rejects still gets
-  its 4xx/5xx status; after that, an error is an SSE error event followed by ``data: [DONE]``.
-- A client that goes away (a failed write ends the SSE generator; the socket probe notices it
+  its 4xx/5xx status; after that, an error is the stream's last chunk (an SSE error event, then
+  ``data: [DONE]``).
+- A client that goes away (a failed write closes the chunk stream; the socket probe notices it
   between outputs) aborts the request in the engine.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Iterator
 
-from flask import Response
-
-from api.errors import ApiError, bad_request, from_engine_error, sse_error, unavailable
-from api.generation import ClientDisconnected, Generation, GenerationError, SequenceDelta
+from api.answer import Chunk
+from api.errors import ApiError, bad_request, from_engine_error, unavailable
+from api.generation import ChoiceOutput, ClientDisconnected, Generation, GenerationError
 from api.metrics import IN_FLIGHT, RequestRecorder
 from api.protocol import fit_to_context
 from api.state import ApiState
@@ -38,8 +36,6 @@ from broker.errors import BrokerUnavailable, EngineOverloaded, MessageError, NoE
 from broker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-DONE = "data: [DONE]\n\n"
 
 
 def check_model(state: ApiState, name: str | None) -> None:
@@ -185,34 +181,13 @@ def start_run(state: ApiState, prompts: list[list[int]], params: list[SamplingPa
     return run
 
 
-@dataclass
-class ChoiceResult:
-    """One choice of a non-streamed answer."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list | None = None
-
-
-def collect(run: Run) -> list[ChoiceResult]:
+def collect(run: Run) -> list[ChoiceOutput]:
     """Run to the end; the choices in index order. ApiError if the request failed."""
     n = run.generation.params[0].n
-    choices = [ChoiceResult(i) for i in range(n * len(run.generation.prompts))]
+    choices = [ChoiceOutput(i) for i in range(n * len(run.generation.prompts))]
     try:
         for delta in run.generation:
-            choice = choices[delta.index]
-            choice.text += delta.text
-            choice.token_ids += delta.token_ids
-            if delta.logprobs is not None:
-                choice.logprobs = (choice.logprobs or []) + delta.logprobs
-            if delta.prompt_logprobs is not None:
-                choice.prompt_logprobs = delta.prompt_logprobs
-            if delta.finish_reason is not None:
-                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            choices[delta.index].add(delta)
     except GenerationError as e:
         raise from_engine_error(e.error) from e
     finally:
@@ -220,7 +195,7 @@ def collect(run: Run) -> list[ChoiceResult]:
     return choices
 
 
-def prefetched(run: Run) -> Iterator[SequenceDelta]:
+def prefetched(run: Run) -> Iterator[ChoiceOutput]:
     """Wait for the first delta (so errors still become an HTTP status); all the deltas, the first included."""
     events = iter(run.generation)
     try:
@@ -234,39 +209,26 @@ def prefetched(run: Run) -> Iterator[SequenceDelta]:
     return itertools.chain([] if first is None else [first], events)
 
 
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def sse_stream(run: Run, head: Iterable[dict[str, Any]], deltas: Iterable[SequenceDelta],
-               render: Callable[[SequenceDelta], list[dict[str, Any]]],
-               tail: Callable[[], list[dict[str, Any]]]) -> Iterator[str]:
-    """The SSE body: head chunks, one or more chunks per delta, tail chunks, then [DONE]."""
+def chunk_stream(run: Run, head: Iterable[Chunk], deltas: Iterable[ChoiceOutput],
+                 render: Callable[[ChoiceOutput], list[Chunk]],
+                 tail: Callable[[], list[Chunk]]) -> Generator[Chunk | ApiError, None, None]:
+    """A stream's chunks (`api.answer`): head chunks, one or more chunks per delta, tail chunks. A failure
+    is yielded as its ApiError and ends the stream; a client that went away raises ClientDisconnected.
+    Closing it (or its end) closes the run."""
     try:
-        for chunk in head:
-            yield sse(chunk)
+        yield from head
         for delta in deltas:
-            for chunk in render(delta):
-                yield sse(chunk)
-        for chunk in tail():
-            yield sse(chunk)
-        yield DONE
+            yield from render(delta)
+        yield from tail()
     except GenerationError as e:
-        yield sse_error(from_engine_error(e.error))
-        yield DONE
+        yield from_engine_error(e.error)
     except ClientDisconnected:
-        logger.info("request %s: client disconnected; aborted", run.generation.request_id)
+        raise
     except Exception:
         logger.exception("request %s: failed while streaming", run.generation.request_id)
-        yield sse_error(ApiError(500, "internal error while streaming the response"))
-        yield DONE
+        yield ApiError(500, "internal error while streaming the response")
     finally:
         run.close()
-
-
-def sse_response(body: Iterator[str]) -> Response:
-    return Response(body, mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def usage(run: Run) -> dict[str, int]:

@@ -8,8 +8,10 @@ Rules:
   heartbeat key `rs:client:{id}:alive` (TTL `heartbeat_ttl`), and one listener thread
   (`broker.client_listener`) subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into
   per-request mailboxes. `submit` registers the mailbox BEFORE the XADD, and only while subscribed.
-- The shared state (mailboxes, calls, seqs, incarnations, deferred aborts) lives on the client and is
-  only touched under `self._lock`; the thread modules use it through the client, with no I/O under it.
+- The state shared by the caller threads, the listener and the maintenance thread (mailboxes, calls,
+  seq numbers, incarnations, engine verdicts, deferred aborts, the subscription flag) is owned by one
+  `broker.in_flight.InFlightTable` (`client.table`), behind its lock; its rules say how it changes. The
+  client and its threads do the Redis I/O, outside that lock, with what the table's methods return.
 - Nothing hangs and nothing is silently lost; a request ends with an error output (finish_reason
   "error", `error` = "<ErrorCode>: ...") when:
   * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
@@ -53,6 +55,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -62,19 +65,10 @@ from broker.client_liveness import Maintenance
 from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
 from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable, UtilityError
+from broker.in_flight import InFlightTable
 from broker.keys import EngineState, RedisKeys, check_id
 from broker.load_balance import EngineSelector, read_lb_snapshot
-from broker.messages import (
-    AbortRequests,
-    AddRequest,
-    ErrorCode,
-    FinishReason,
-    RequestOutput,
-    UtilityCall,
-    UtilityResult,
-    encode,
-    make_error,
-)
+from broker.messages import AbortRequests, AddRequest, UtilityCall, UtilityResult, encode
 from broker.prefix_index import PrefixIndexReader, RoutingCounter
 from broker.registry import EngineRegistry
 from broker.request_handle import Mailbox, RequestHandle
@@ -92,6 +86,22 @@ def default_client_id() -> str:
     """hostname-pid-random, safe inside key names."""
     host = re.sub(r"[:\s]", "_", socket.gethostname()) or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """A client's timings and limits (see the module rules); read by its threads."""
+
+    heartbeat_ttl: float = 10.0
+    engine_refresh: float = 0.5
+    liveness_interval: float = 1.0
+    snapshot_max_age: float = 5.0
+    subscribe_timeout: float = 5.0
+    resubmit_limit: int = 1
+    replace_wait: float = 30.0
+    max_stream_len: int = 10_000
+    max_migrations: int = 2
+    presence_interval: float = 0.1
 
 
 class BrokerClient:
@@ -118,38 +128,30 @@ class BrokerClient:
         self.redis_url = redis_url
         self.keys = keys or RedisKeys()
         self.client_id = check_id("client", client_id or default_client_id())
-        self._heartbeat_ttl = heartbeat_ttl
-        self._engine_refresh = engine_refresh
-        self._liveness_interval = liveness_interval
-        self._snapshot_max_age = snapshot_max_age
-        self._subscribe_timeout = subscribe_timeout
-        self._resubmit_limit = resubmit_limit
-        self._replace_wait = replace_wait
-        self._max_stream_len = max_stream_len
-        self._max_migrations = max_migrations
-        self._presence_interval = presence_interval
-        self._on_migration = on_migration
+        self.settings = ClientSettings(
+            heartbeat_ttl=heartbeat_ttl, engine_refresh=engine_refresh, liveness_interval=liveness_interval,
+            snapshot_max_age=snapshot_max_age, subscribe_timeout=subscribe_timeout, resubmit_limit=resubmit_limit,
+            replace_wait=replace_wait, max_stream_len=max_stream_len, max_migrations=max_migrations,
+            presence_interval=presence_interval,
+        )  # fmt: skip
+        self.on_migration = on_migration
+        self.table = InFlightTable(self.client_id, placed=lambda e: self.selector.on_submit(e),
+                                   released=lambda e: self.selector.on_finish(e))
         self._bounded_xadd = None
-
         self._start_lock = threading.Lock()
-        self._lock = threading.Lock()
         self._pid: int | None = None
         self._stopping = threading.Event()
-        self._subscribed = False
-        self._subscribed_event = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._mailboxes: dict[str, Mailbox] = {}
-        self._calls: dict[str, tuple[str, Any]] = {}  # call_id -> (engine_id, SimpleQueue)
-        self._last_seq: dict[str, int] = {}
-        self._incarnations: dict[str, str] = {}
-        self._pending_aborts: dict[str, set[str]] = {}
-        self._gone: dict[str, tuple[str | None, str]] = {}  # engine -> (incarnation, reason): declared gone early
-        self._liveness_due = threading.Event()  # set when an engine is declared gone between liveness checks
         self._redis: redis.Redis | None = None
         self._registry: EngineRegistry | None = None
         self.selector: EngineSelector | None = None
         self._listener = OutputListener(self)
         self._maintenance = Maintenance(self)
+
+    @property
+    def redis(self) -> redis.Redis:
+        """The client's Redis connection (after `start()`), for its threads' I/O."""
+        return self._redis
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -166,12 +168,15 @@ class BrokerClient:
             self._redis = connect(self.redis_url, client_name=f"redserve-client-{self.client_id}")
             self._registry = EngineRegistry(self._redis, self.keys)
             self._bounded_xadd = self._redis.register_script(_BOUNDED_XADD)
-            self.selector = EngineSelector(self._fetch_engines, self._engine_refresh, self._snapshot_max_age,
+            self.selector = EngineSelector(self._fetch_engines, self.settings.engine_refresh,
+                                           self.settings.snapshot_max_age,
                                            prefix_index=PrefixIndexReader(self._redis, self.keys),
                                            count_decision=RoutingCounter(self._redis, self.keys))
             self._threads = [
-                threading.Thread(target=self._listener.run, name=f"broker-listener-{self.client_id}", daemon=True),
-                threading.Thread(target=self._maintenance.run, name=f"broker-maintenance-{self.client_id}", daemon=True),
+                threading.Thread(target=self._listener.run, args=(self._stopping,),
+                                 name=f"broker-listener-{self.client_id}", daemon=True),
+                threading.Thread(target=self._maintenance.run, args=(self._stopping,),
+                                 name=f"broker-maintenance-{self.client_id}", daemon=True),
             ]
             for t in self._threads:
                 t.start()
@@ -186,14 +191,11 @@ class BrokerClient:
         with self._start_lock:
             if self._pid is None or self._pid != os.getpid() or self._stopping.is_set():
                 return
-            redis_up = self._subscribed
+            redis_up = self.table.subscribed
             self._stopping.set()
             for t in self._threads:
                 t.join()
-            with self._lock:
-                for mb in list(self._mailboxes.values()):
-                    self._fail_locked(mb, ErrorCode.BROKER_DISCONNECTED, "the broker client was stopped")
-                self._fail_calls_locked(None, "the broker client was stopped")
+            self.table.fail_all("the broker client was stopped")
             if redis_up:
                 self._maintenance.flush_aborts()
                 try:
@@ -208,7 +210,7 @@ class BrokerClient:
     def wait_subscribed(self, timeout: float) -> bool:
         """True once the output subscription is up (within `timeout` seconds)."""
         self.start()
-        return self._subscribed_event.wait(timeout)
+        return self.table.wait_subscribed(timeout)
 
     # ----------------------------------------------------------------- requests
 
@@ -225,27 +227,23 @@ class BrokerClient:
         n = int(add.params.get("n", 1) or 1)
         mb = Mailbox(add=add, engine_id=info["engine_id"], incarnation=info.get("incarnation"), n=n)
         self._register(mb)
+        cap = self.settings.max_stream_len
         try:
-            added = self._bounded_xadd(keys=[self.keys.request_stream(mb.engine_id)],
-                                       args=[self._max_stream_len, STREAM_FIELD, payload])
+            added = self._bounded_xadd(keys=[self.keys.request_stream(mb.engine_id)], args=[cap, STREAM_FIELD, payload])
         except redis.RedisError as e:
-            self._drop(mb)
+            self.table.drop(mb)
             raise BrokerUnavailable(f"could not send request {add.request_id} to Redis: {e}") from e
         if added is None:
-            self._drop(mb)
-            raise EngineOverloaded(f"engine {mb.engine_id} already holds {self._max_stream_len} requests "
-                                   "unread or in flight; retry later")
+            self.table.drop(mb)
+            raise EngineOverloaded(f"engine {mb.engine_id} already holds {cap} requests unread or in flight; "
+                                   "retry later")
         return RequestHandle(self, mb)
 
     def abort(self, request_ids: Iterable[str], engine_id: str) -> None:
         """ABORT `request_ids` on `engine_id`; this client's own handles end at once with "abort"."""
         ids = list(request_ids)
-        with self._lock:
-            for rid in ids:
-                mb = self._mailboxes.get(rid)
-                if mb is not None:
-                    self._end_aborted_locked(mb)
-        self._send_aborts(engine_id, ids)
+        self.table.abort_ids(ids)
+        self.send_aborts(engine_id, ids)
 
     def call_utility(self, engine_id: str, method: str, args: Iterable[Any] = (), timeout: float = 10.0) -> Any:
         """Run `method(*args)` on a live engine and return its result.
@@ -259,21 +257,18 @@ class BrokerClient:
         live = self._live_engines()
         if engine_id not in live:
             raise NoEngineAvailable(f"engine {engine_id} is not live")
-        self._note_incarnation(engine_id, live[engine_id].get("incarnation"))
+        self.table.note_incarnation(engine_id, live[engine_id].get("incarnation"))
         call = UtilityCall(uuid.uuid4().hex, self.client_id, method, list(args))
-        answer: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            self._calls[call.call_id] = (engine_id, answer)
+        answer = self.table.add_call(call.call_id, engine_id)
         try:
-            self._xadd(engine_id, encode(call))
+            self.send_to_engine(engine_id, encode(call))
             result: UtilityResult = answer.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"engine {engine_id} did not answer {method!r} within {timeout}s") from None
         except redis.RedisError as e:
             raise BrokerUnavailable(f"could not send {method!r} to engine {engine_id}: {e}") from e
         finally:
-            with self._lock:
-                self._calls.pop(call.call_id, None)
+            self.table.forget_call(call.call_id)
         if result.error is not None:
             raise UtilityError(f"{method} on engine {engine_id}: {result.error}")
         return result.result
@@ -288,8 +283,22 @@ class BrokerClient:
         return ready
 
     def in_flight(self) -> int:
-        with self._lock:
-            return len(self._mailboxes)
+        return self.table.in_flight()
+
+    # ----------------------------------------------------------------- sending (never under the table's lock)
+
+    def send_to_engine(self, engine_id: str, payload: bytes) -> None:
+        """XADD without a cap (ABORT, utility call, re-placed ADD): never trimmed, never refused.
+        Raises redis.RedisError."""
+        self._redis.xadd(self.keys.request_stream(engine_id), {STREAM_FIELD: payload})
+
+    def send_aborts(self, engine_id: str, request_ids: list[str]) -> None:
+        """ABORT these wire ids on `engine_id`, or defer them (the maintenance thread sends them later)."""
+        try:
+            self.send_to_engine(engine_id, encode(AbortRequests(request_ids, self.client_id)))
+        except redis.RedisError as e:
+            logger.info("client %s: ABORT to %s deferred (%s)", self.client_id, engine_id, e)
+            self.table.defer_aborts(engine_id, request_ids)
 
     # ----------------------------------------------------------------- submit helpers
 
@@ -309,117 +318,28 @@ class BrokerClient:
     def _choose(self, engine_id: str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
         if engine_id is None:
             try:
-                info = self.selector.select(exclude=self._gone_engines(), token_ids=token_ids)
+                info = self.selector.select(exclude=self.table.gone_engines(), token_ids=token_ids)
             except redis.RedisError as e:
                 raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
         else:
             info = self._live_engines().get(engine_id)
             if info is None or info.get("state") != EngineState.READY:
                 raise NoEngineAvailable(f"engine {engine_id} is not ready (not registered, not READY or no heartbeat)")
-        self._note_incarnation(info["engine_id"], info.get("incarnation"))
+        self.table.note_incarnation(info["engine_id"], info.get("incarnation"))
         return info
 
     def _await_subscription(self) -> None:
-        if not self._subscribed_event.wait(self._subscribe_timeout):
+        timeout = self.settings.subscribe_timeout
+        if not self.table.wait_subscribed(timeout):
             raise BrokerUnavailable(
-                f"not subscribed to {self.keys.output_channel(self.client_id)} after {self._subscribe_timeout}s: "
-                "is Redis reachable?"
+                f"not subscribed to {self.keys.output_channel(self.client_id)} after {timeout}s: is Redis reachable?"
             )
 
     def _register(self, mb: Mailbox) -> None:
         while True:
             self._await_subscription()
-            with self._lock:
-                if mb.request_id in self._mailboxes:
-                    raise ValueError(f"request id {mb.request_id!r} is already in flight")
-                if self._subscribed:
-                    self._mailboxes[mb.request_id] = mb
-                    self.selector.on_submit(mb.engine_id)
-                    return
-
-    def _drop(self, mb: Mailbox) -> None:
-        """Forget a mailbox whose ADD never reached the stream."""
-        with self._lock:
-            self._finish_locked(mb)
-
-    def _xadd(self, engine_id: str, payload: bytes) -> None:
-        """XADD without a cap (ABORT, utility call, re-placed ADD): never trimmed, never refused."""
-        self._redis.xadd(self.keys.request_stream(engine_id), {STREAM_FIELD: payload})
-
-    def _note_incarnation(self, engine_id: str, incarnation: str | None) -> None:
-        """A new incarnation restarts that engine's seq numbering (its old requests are failed by liveness)."""
-        if incarnation is None:
-            return
-        with self._lock:
-            if self._incarnations.get(engine_id) != incarnation:
-                self._incarnations[engine_id] = incarnation
-                self._last_seq.pop(engine_id, None)
-
-    def _gone_engines(self) -> list[str]:
-        """Engines declared gone before their registration says so (presence lost, engine failed)."""
-        with self._lock:
-            return list(self._gone)
+            if self.table.register(mb):
+                return
 
     def _fetch_engines(self):
         return self._registry.live_engines(), read_lb_snapshot(self._redis, self.keys)
-
-    # ----------------------------------------------------------------- ending requests (hold self._lock)
-
-    def _finish_locked(self, mb: Mailbox) -> None:
-        if mb.done:
-            return
-        mb.done = True
-        for rid in mb.routes:
-            if self._mailboxes.get(rid) is mb:
-                del self._mailboxes[rid]
-        self.selector.on_finish(mb.engine_id)
-
-    def _fail_locked(self, mb: Mailbox, code: ErrorCode, detail: str, abort: bool = True) -> None:
-        if mb.done:
-            return
-        error = make_error(code, detail)
-        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ERROR.value, error=error), True))
-        self._finish_locked(mb)
-        if abort:
-            self._pending_aborts.setdefault(mb.engine_id, set()).update(mb.routes)
-
-    def _end_aborted_locked(self, mb: Mailbox) -> None:
-        if mb.done:
-            return
-        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ABORT.value), True))
-        self._finish_locked(mb)
-
-    def _fail_calls_locked(self, engine_id: str | None, detail: str) -> None:
-        for call_id, (owner, answer) in list(self._calls.items()):
-            if engine_id is None or owner == engine_id:
-                del self._calls[call_id]
-                answer.put(UtilityResult(call_id, None, make_error(ErrorCode.ENGINE_GONE, detail)))
-
-    def _abort_mailbox(self, mb: Mailbox) -> None:
-        with self._lock:
-            if mb.done:
-                return
-            self._end_aborted_locked(mb)
-            wire_ids = list(mb.routes)
-        self._send_aborts(mb.engine_id, wire_ids)
-
-    def _expire(self, mb: Mailbox) -> None:
-        with self._lock:
-            self._fail_locked(mb, ErrorCode.DEADLINE_EXCEEDED, f"request {mb.request_id} ran past its deadline")
-
-    def _send_sequence_abort(self, mb: Mailbox, index: int) -> None:
-        with self._lock:
-            mb.abandoned.add(index)
-            wire_id, wire_index = mb.wire_id(index)
-        try:
-            self._xadd(mb.engine_id, encode(AbortRequests([wire_id], self.client_id, wire_index)))
-        except redis.RedisError as e:
-            logger.info("client %s: could not abort sequence %d of %s (%s)", self.client_id, index, mb.request_id, e)
-
-    def _send_aborts(self, engine_id: str, request_ids: list[str]) -> None:
-        try:
-            self._xadd(engine_id, encode(AbortRequests(request_ids, self.client_id)))
-        except redis.RedisError as e:
-            logger.info("client %s: ABORT to %s deferred (%s)", self.client_id, engine_id, e)
-            with self._lock:
-                self._pending_aborts.setdefault(engine_id, set()).update(request_ids)

@@ -37,7 +37,6 @@ from broker.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,
-    FinishReason,
     Message,
     RequestOutput,
     UtilityResult,
@@ -252,15 +251,15 @@ class OutputPublisher:
 
 def _packable(item: RequestOutput | UtilityResult) -> bool:
     try:
-        msgpack.packb(item._to_wire(), use_bin_type=True)
+        msgpack.packb(item.to_wire(), use_bin_type=True)
     except (TypeError, ValueError, OverflowError):
         return False
     return True
 
 
 def _failed_output(o: RequestOutput) -> RequestOutput:
-    error = make_error(ErrorCode.ENGINE_ERROR, "engine produced an output that cannot be encoded")
-    return RequestOutput(str(o.request_id), int(o.index), [], FinishReason.ERROR.value, error=error)
+    return RequestOutput.failure(str(o.request_id), ErrorCode.ENGINE_ERROR,
+                                 "engine produced an output that cannot be encoded", index=int(o.index))
 
 
 def _failed_utility(u: UtilityResult) -> UtilityResult:

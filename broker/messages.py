@@ -1,18 +1,20 @@
-"""Every message that crosses Redis, and its one encode/decode path.
+"""Every message that crosses Redis, declared once (`broker.wire_schema`): codec and validation follow.
 
 Rules:
 - Wire format is msgpack (never pickle: whoever can write to Redis must not run code in an engine).
-  A message is a map with a type tag "t", a version "v" and its fields by name. `RequestOutput` and
-  `UtilityResult` travel only inside `EngineOutputs`, as positional arrays (compact on the hot path).
-- `decode` raises `MessageError` for garbage, an unknown "t", an unsupported "v", a missing field or
-  a field of the wrong type; it never raises anything else. Receivers catch it, log and drop.
-  Unknown extra fields are ignored, so adding an optional field needs no version bump; changing or
-  removing one does.
+  A message is a map with a type tag "t", a version "v" and its fields by name (a field equal to its
+  default is left out). `RequestOutput` and `UtilityResult` travel only inside `EngineOutputs`, as
+  positional arrays in declared field order, trailing defaults left out (compact on the hot path).
+- `decode` raises `MessageError` for garbage, an unknown "t", an unsupported "v", a missing field,
+  a field of the wrong type or an unknown enum value; it never raises anything else. Receivers catch
+  it, log and drop. Unknown extra fields are ignored, so adding an optional field (last, in a record)
+  needs no version bump; changing or removing one does.
 - `AddRequest.prompt_token_ids` is checked to be a list of ints (an engine must not crash on a
   bad request); token ids are not checked against the vocabulary here, the engine does that.
 - Errors are not a separate message type: a failed request ends with a `RequestOutput` whose
-  `finish_reason` is "error" and whose `error` is "<ErrorCode>: <detail>" (see `make_error`).
-  An engine that fails as a whole sends such an output for each of its requests, then deregisters.
+  `finish_reason` is `FinishReason.ERROR`, `error_code` an `ErrorCode` and `error_message` the detail
+  for humans (`RequestOutput.failure` builds one). An engine that fails as a whole sends such an output
+  for each of its requests, then deregisters.
 - `EngineOutputs.seq` numbers the messages one engine publishes to one client (1, 2, 3, ...);
   `OutputPublisher` assigns it, `BrokerClient` uses it to drop duplicates and to detect loss.
 
@@ -22,13 +24,14 @@ StartWave. Channel messages (engine -> client, on `rs:out:{client}`): EngineOutp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 
 from broker.errors import MessageError
+from broker.wire_schema import wire
 
 __all__ = [
     "AbortRequests",
@@ -46,6 +49,7 @@ __all__ = [
     "encode",
     "error_code",
     "make_error",
+    "split_error",
 ]
 
 
@@ -59,7 +63,7 @@ class FinishReason(StrEnum):
 
 
 class ErrorCode(StrEnum):
-    """First word of `RequestOutput.error`, so callers can branch without parsing prose."""
+    """Why a request failed (`RequestOutput.error_code`), so callers branch without parsing prose."""
 
     ENGINE_ERROR = "engine_error"  # the engine failed while running the request
     INVALID_REQUEST = "invalid_request"  # the engine rejected the request (bad params, too long)
@@ -69,47 +73,38 @@ class ErrorCode(StrEnum):
     BROKER_DISCONNECTED = "broker_disconnected"  # the client lost its output subscription
     OUTPUT_LOST = "output_lost"  # a gap in EngineOutputs.seq: some outputs never arrived
     NO_ENGINE = "no_engine"  # re-placing the request found no live engine
+    CLIENT_DISCONNECTED = "client_disconnected"  # the HTTP client went away; the request was aborted
 
 
 def make_error(code: ErrorCode, detail: str) -> str:
-    """Format an error string for `RequestOutput.error`: "<code>: <detail>"."""
+    """Text for logs and humans: "<code>: <detail>" (what `RequestOutput.error` shows)."""
     return f"{code.value}: {detail}"
 
 
 def error_code(error: str | None) -> str | None:
-    """The code part of an error made by `make_error` (the whole string if it has no code)."""
+    """The code part of a "<code>: <detail>" text (the whole text if it has no code).
+
+    Compatibility only, for callers that still read `RequestOutput.error`: read
+    `RequestOutput.error_code` instead.
+    """
     if error is None:
         return None
     return error.split(":", 1)[0]
 
 
-def _need(d: dict, name: str, types: type | tuple[type, ...]) -> Any:
+def split_error(text: str) -> tuple[ErrorCode, str]:
+    """(code, detail) of a "<code>: <detail>" text; an unknown code counts as ENGINE_ERROR.
+
+    Compatibility only, for callers that still pass that text around (`RequestOutput(error=...)`).
+    """
+    code, sep, detail = text.partition(":")
     try:
-        value = d[name]
-    except KeyError:
-        raise MessageError(f"missing field {name!r}") from None
-    if not isinstance(value, types):
-        raise MessageError(f"field {name!r} has type {type(value).__name__}")
-    return value
+        return ErrorCode(code), detail.removeprefix(" ") if sep else ""
+    except ValueError:
+        return ErrorCode.ENGINE_ERROR, text
 
 
-def _check(value: Any, name: str, types: type | tuple[type, ...]) -> Any:
-    if not isinstance(value, types):
-        raise MessageError(f"field {name!r} has type {type(value).__name__}")
-    return value
-
-
-def _int_list(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
-        raise MessageError(f"field {name!r} must be a list of ints")
-    return value
-
-
-_NUM = (int, float)
-_OPT_STR = (str, type(None))
-_OPT_NUM = (int, float, type(None))
-
-
+@wire(tag="add")
 @dataclass(slots=True)
 class AddRequest:
     """Start a request. `params` is `SamplingParams.to_engine_dict()`; the engine rebuilds it with
@@ -123,42 +118,15 @@ class AddRequest:
     should be aborted (engine side). n > 1 is expanded by the engine; outputs carry an `index`.
     """
 
-    TYPE: ClassVar[str] = "add"
-    VERSION: ClassVar[int] = 1
-
     request_id: str
     client_id: str
     prompt_token_ids: list[int]
-    params: dict
+    params: dict[str, Any]
     arrival_time: float
     deadline: float | None = None
 
-    def _to_wire(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "client_id": self.client_id,
-            "prompt_token_ids": self.prompt_token_ids,
-            "params": self.params,
-            "arrival_time": self.arrival_time,
-            "deadline": self.deadline,
-        }
 
-    @classmethod
-    def _from_wire(cls, d: dict) -> AddRequest:
-        params = _need(d, "params", dict)
-        if not all(isinstance(k, str) for k in params):
-            raise MessageError("field 'params' must have string keys")
-        deadline = _check(d.get("deadline"), "deadline", _OPT_NUM)
-        return cls(
-            request_id=_need(d, "request_id", str),
-            client_id=_need(d, "client_id", str),
-            prompt_token_ids=_int_list(d.get("prompt_token_ids"), "prompt_token_ids"),
-            params=params,
-            arrival_time=float(_need(d, "arrival_time", _NUM)),
-            deadline=None if deadline is None else float(deadline),
-        )
-
-
+@wire(tag="abort")
 @dataclass(slots=True)
 class AbortRequests:
     """Abort requests (unknown or finished ids are ignored by the engine).
@@ -167,28 +135,12 @@ class AbortRequests:
     string); the engine answers with an "abort" output for it and the other sequences go on.
     """
 
-    TYPE: ClassVar[str] = "abort"
-    VERSION: ClassVar[int] = 1
-
     request_ids: list[str]
     client_id: str
     index: int | None = None
 
-    def _to_wire(self) -> dict:
-        wire = {"request_ids": self.request_ids, "client_id": self.client_id}
-        if self.index is not None:
-            wire["index"] = self.index
-        return wire
 
-    @classmethod
-    def _from_wire(cls, d: dict) -> AbortRequests:
-        ids = _need(d, "request_ids", list)
-        if not all(isinstance(i, str) for i in ids):
-            raise MessageError("field 'request_ids' must be a list of strings")
-        index = _check(d.get("index"), "index", (int, type(None)))
-        return cls(request_ids=ids, client_id=_need(d, "client_id", str), index=index)
-
-
+@wire(tag="utility")
 @dataclass(slots=True)
 class UtilityCall:
     """Ask an engine to run `method(*args)` (e.g. "reset_prefix_cache", "get_stats").
@@ -197,129 +149,88 @@ class UtilityCall:
     `args` and the result must be msgpack-able (None, bool, int, float, str, bytes, list, dict).
     """
 
-    TYPE: ClassVar[str] = "utility"
-    VERSION: ClassVar[int] = 1
-
     call_id: str
     client_id: str
     method: str
     args: list
 
-    def _to_wire(self) -> dict:
-        return {"call_id": self.call_id, "client_id": self.client_id, "method": self.method, "args": self.args}
 
-    @classmethod
-    def _from_wire(cls, d: dict) -> UtilityCall:
-        return cls(
-            call_id=_need(d, "call_id", str),
-            client_id=_need(d, "client_id", str),
-            method=_need(d, "method", str),
-            args=_need(d, "args", list),
-        )
-
-
+@wire(tag="wave")
 @dataclass(slots=True)
 class StartWave:
     """Data parallelism: start wave `wave` on every engine except `exclude_engine`."""
 
-    TYPE: ClassVar[str] = "wave"
-    VERSION: ClassVar[int] = 1
-
     wave: int
     exclude_engine: str | None = None
 
-    def _to_wire(self) -> dict:
-        return {"wave": self.wave, "exclude_engine": self.exclude_engine}
 
-    @classmethod
-    def _from_wire(cls, d: dict) -> StartWave:
-        return cls(
-            wave=_need(d, "wave", int),
-            exclude_engine=_check(d.get("exclude_engine"), "exclude_engine", _OPT_STR),
-        )
-
-
+@wire(array=True)
 @dataclass(slots=True)
 class RequestOutput:
     """New tokens of one sequence (`index` < n) of one request since the last step.
 
-    `finish_reason` is None while running, else a `FinishReason` value; `stop_reason` is the stop
-    token id or stop string that ended it, if any. `logprobs`, when requested, has one entry per
-    new token: [sampled_logprob, sampled_rank, top_token_ids, top_logprobs]. `prompt_logprobs`, on
-    the first output of a request that asked for them, has one entry of that shape per prompt token
-    after the first (an optional 10th array item: older readers ignore it). `error` is set (and
-    finish_reason is "error") when the request failed; an error ends every index of the request.
+    `finish_reason` is None while running, else a `FinishReason`; `stop_reason` is the stop token id
+    or stop string that ended it, if any. `logprobs`, when requested, has one entry per new token:
+    [sampled_logprob, sampled_rank, top_token_ids, top_logprobs]. `prompt_logprobs`, on the first
+    output of a request that asked for them, has one entry of that shape per prompt token after the
+    first. A failed request has finish_reason ERROR, an `error_code` and an `error_message` (the detail,
+    for humans); an error ends every index of the request. Rarely set fields come last: a running
+    sequence's output is a 7-item array.
+
+    Compatibility (until every caller reads `error_code`): the constructor still takes `error=` as a
+    "<code>: <detail>" text and `.error` still gives that text (`make_error`'s format); a plain str
+    `finish_reason` is turned into the enum.
     """
 
     request_id: str
     index: int
     new_token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list | None = None
-    error: str | None = None
+    error_code: ErrorCode | None = None
     prompt_logprobs: list | None = None
+    error_message: str | None = None
+    error: InitVar[str | None] = None
+
+    def __post_init__(self, error: str | None) -> None:
+        if self.finish_reason is not None and type(self.finish_reason) is not FinishReason:
+            self.finish_reason = FinishReason(self.finish_reason)
+        if error is not None:
+            self.error_code, self.error_message = split_error(error)
+
+    @classmethod
+    def failure(cls, request_id: str, code: ErrorCode, message: str, index: int = 0) -> RequestOutput:
+        """The output that ends a failed request."""
+        return cls(request_id, index, [], FinishReason.ERROR, error_code=code, error_message=message)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _to_wire(self) -> list:
-        return [
-            self.request_id,
-            self.index,
-            self.new_token_ids,
-            self.finish_reason,
-            self.stop_reason,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.logprobs,
-            self.error,
-        ] + ([] if self.prompt_logprobs is None else [self.prompt_logprobs])
-
-    @classmethod
-    def _from_wire(cls, a: Any) -> RequestOutput:
-        if not isinstance(a, list) or len(a) < 9:
-            raise MessageError("a RequestOutput must be an array of 9 items")
-        rid, index, tokens, finish, stop, n_prompt, n_cached, logprobs, error = a[:9]
-        if not (
-            type(rid) is str
-            and type(index) is int
-            and type(tokens) is list
-            and isinstance(finish, _OPT_STR)
-            and isinstance(stop, (int, str, type(None)))
-            and type(n_prompt) is int
-            and type(n_cached) is int
-            and isinstance(logprobs, (list, type(None)))
-            and isinstance(error, _OPT_STR)
-        ):
-            raise MessageError(f"RequestOutput fields have wrong types: {[type(x).__name__ for x in a[:9]]}")
-        prompt_logprobs = a[9] if len(a) > 9 else None
-        if not isinstance(prompt_logprobs, (list, type(None))):
-            raise MessageError("RequestOutput prompt_logprobs must be an array or null")
-        return cls(rid, index, tokens, finish, stop, n_prompt, n_cached, logprobs, error, prompt_logprobs)
+    def error_text(self) -> str | None:
+        """"<code>: <message>" for logs and humans, None if the request did not fail."""
+        if self.error_code is None:
+            return None
+        return make_error(self.error_code, self.error_message) if self.error_message else self.error_code.value
 
 
+RequestOutput.error = property(RequestOutput.error_text, doc="Compatibility: `error_text()`.")  # see docstring
+
+
+@wire(array=True)
 @dataclass(slots=True)
 class UtilityResult:
-    """Answer to `UtilityCall` `call_id`: `result` on success, else `error` is set."""
+    """Answer to `UtilityCall` `call_id`: `result` on success, else `error` (text for humans) is set."""
 
     call_id: str
     result: Any = None
     error: str | None = None
 
-    def _to_wire(self) -> list:
-        return [self.call_id, self.result, self.error]
 
-    @classmethod
-    def _from_wire(cls, a: Any) -> UtilityResult:
-        if not isinstance(a, list) or len(a) < 3 or type(a[0]) is not str or not isinstance(a[2], _OPT_STR):
-            raise MessageError("a UtilityResult must be an array [call_id: str, result, error: str | None]")
-        return cls(a[0], a[1], a[2])
-
-
+@wire(tag="outputs", version=2)  # 2: RequestOutput carries error_code + error_message
 @dataclass(slots=True)
 class EngineOutputs:
     """Everything one engine step produced for one client: ONE message per client per step.
@@ -327,35 +238,11 @@ class EngineOutputs:
     `timestamp` is wall-clock seconds when the step finished. `seq` is set by `OutputPublisher`.
     """
 
-    TYPE: ClassVar[str] = "outputs"
-    VERSION: ClassVar[int] = 1
-
     engine_id: str
     outputs: list[RequestOutput]
     timestamp: float
     utility_results: list[UtilityResult] = field(default_factory=list)
     seq: int = 0
-
-    def _to_wire(self) -> dict:
-        return {
-            "engine_id": self.engine_id,
-            "outputs": [o._to_wire() for o in self.outputs],
-            "timestamp": self.timestamp,
-            "utility_results": [u._to_wire() for u in self.utility_results],
-            "seq": self.seq,
-        }
-
-    @classmethod
-    def _from_wire(cls, d: dict) -> EngineOutputs:
-        outputs = [RequestOutput._from_wire(a) for a in _need(d, "outputs", list)]
-        utility = [UtilityResult._from_wire(a) for a in _check(d.get("utility_results", []), "utility_results", list)]
-        return cls(
-            engine_id=_need(d, "engine_id", str),
-            outputs=outputs,
-            timestamp=float(_need(d, "timestamp", _NUM)),
-            utility_results=utility,
-            seq=_need(d, "seq", int),
-        )
 
 
 Message = AddRequest | AbortRequests | UtilityCall | StartWave | EngineOutputs
@@ -365,11 +252,8 @@ M = TypeVar("M", AddRequest, AbortRequests, UtilityCall, StartWave, EngineOutput
 
 def encode(msg: Message) -> bytes:
     """Encode a top-level message; raise MessageError if a field is not msgpack-able."""
-    body = msg._to_wire()
-    body["t"] = msg.TYPE
-    body["v"] = msg.VERSION
     try:
-        return msgpack.packb(body, use_bin_type=True)
+        return msgpack.packb(msg.to_wire(), use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise MessageError(f"cannot encode {type(msg).__name__}: {e}") from e
 
@@ -394,8 +278,8 @@ def decode(data: bytes, expect: type[M] | None = None) -> M:
     if expect is not None and cls is not expect:
         raise MessageError(f"expected a {expect.TYPE!r} message, got {cls.TYPE!r}")
     try:
-        return cls._from_wire(obj)
+        return cls.from_wire(obj)
     except MessageError:
         raise
-    except (TypeError, ValueError) as e:
-        raise MessageError(f"bad {cls.TYPE!r} message: {e}") from None
+    except Exception as e:  # a bug in a codec must not crash a receiver; report it as a bad message
+        raise MessageError(f"bad {cls.TYPE!r} message: {type(e).__name__}: {e}") from None

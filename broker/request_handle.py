@@ -1,9 +1,9 @@
 """Per-request mailbox and the handle a caller reads outputs from (the client side of one request).
 
-The mailbox is filled by `BrokerClient` (its listener, deadline and liveness checks); the handle is
-read by exactly one caller thread (the Flask request thread or the Celery task). Every queue item
-is (output, last): `last` is decided once, by the client, so the handle never guesses whether a
-request is over.
+The mailbox is filled and changed only by the client's in-flight table (`broker.in_flight`, under its
+lock: the listener, deadline and liveness checks go through it); the handle is read by exactly one caller
+thread (the Flask request thread or the Celery task). Every queue item is (output, last): `last` is
+decided once, by the table, so the handle never guesses whether a request is over.
 
 A mailbox is reached by one or more wire ids (`routes`): at first the request's own id (outputs keep
 their index); once its sequences were resumed on another engine (`broker.request_resume`), one
@@ -13,21 +13,26 @@ token handed to the caller, per index, which is what a continuation replays.
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from broker.messages import AddRequest, RequestOutput
+import redis
+
+from broker.messages import AbortRequests, AddRequest, RequestOutput, encode
 
 if TYPE_CHECKING:
     from broker.client import BrokerClient
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class Mailbox:
-    """State of one request in flight; mutated only under the client's lock."""
+    """State of one request in flight; changed only by `InFlightTable`, under its lock."""
 
     add: AddRequest
     engine_id: str
@@ -121,7 +126,7 @@ class RequestHandle:
             if deadline is not None:
                 until_deadline = deadline - time.time()
                 if until_deadline <= 0:
-                    self._client._expire(self._mb)
+                    self._client.table.expire(self._mb)
                     until_deadline = 0.0
                 wait = until_deadline if wait is None else min(wait, until_deadline)
             try:
@@ -139,14 +144,22 @@ class RequestHandle:
             yield output
 
     def abort(self) -> None:
-        self._client._abort_mailbox(self._mb)
+        ended = self._client.table.abort(self._mb)
+        if ended is not None:
+            self._client.send_aborts(*ended)
 
     def abort_sequence(self, index: int) -> None:
         """Ask the engine to stop sequence `index` of this request (n > 1); its "abort" output arrives
         like any other, and the handle ends when every sequence has ended. Best effort: if Redis is
         unreachable the sequence simply runs on until the request ends."""
-        if not self._mb.done:
-            self._client._send_sequence_abort(self._mb, index)
+        if self._mb.done:
+            return
+        c = self._client
+        engine_id, wire_id, wire_index = c.table.abandon_sequence(self._mb, index)
+        try:
+            c.send_to_engine(engine_id, encode(AbortRequests([wire_id], c.client_id, wire_index)))
+        except redis.RedisError as e:
+            logger.info("client %s: could not abort sequence %d of %s (%s)", c.client_id, index, self.request_id, e)
 
     def close(self) -> None:
         if not self._mb.done:

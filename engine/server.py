@@ -17,6 +17,9 @@ Lifecycle: register (starting) -> heartbeat -> load the model -> READY. SIGTERM/
 DRAINING (clients stop routing here), requests in flight finish, or are aborted with an error after
 ``drain_timeout``; then deregister and exit 0. A failure inside a step fails every request in
 flight with an engine_error, deregisters and exits non-zero.
+
+The busy loop's input queue carries typed items (``engine.input_items``): stream messages, and the
+control events of the other threads (client gone, rejoin, drain); ``_handle`` dispatches on them.
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ from broker.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,
+    FinishReason,
     RequestOutput,
     StartWave,
     UtilityCall,
     UtilityResult,
-    make_error,
 )
 from broker.prefix_index import PrefixIndexWriter
 from broker.registry import EngineHeartbeat, EngineRegistry
@@ -51,12 +54,10 @@ from engine.block_manager import CacheEvents
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.dp_wave import IDLE_WAIT, DpWaves
+from engine.input_items import ClientGone, Drain, InputItem, Received, Rejoin
 from worker.multiproc_executor import WorkerDied
 
 logger = logging.getLogger(__name__)
-
-_CLIENT_GONE = object()
-_REJOIN = object()
 
 
 @dataclass
@@ -109,7 +110,7 @@ class EngineServer:
         self.publisher = OutputPublisher(connect(redis_url), self.keys, self.engine_id)
         # SimpleQueue: its put() is reentrant, so the SIGTERM handler (`request_drain`) may call it while the
         # busy loop is inside get(); a queue.Queue there can deadlock on its own mutex (the drain never starts).
-        self.input_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self.output_queue: queue.Queue = queue.Queue()
         self.in_flight: dict[str, InFlight] = {}
         self.stop_event = threading.Event()
@@ -135,7 +136,7 @@ class EngineServer:
         self._register()
         self.presence.start()
         heartbeat = EngineHeartbeat(self.registry, self.engine_id, ttl=self.heartbeat_ttl,
-                                    on_declared_dead=lambda: self.input_queue.put((_REJOIN, None)),
+                                    on_declared_dead=lambda: self.input_queue.put(Rejoin()),
                                     on_restored=self._index_lost.set).start()  # Redis lost the index too
         try:
             self.core = EngineCore(self.config, dp_rank=self.dp_rank)
@@ -161,7 +162,7 @@ class EngineServer:
             logger.exception("engine %s failed", self.engine_id)
             # A dead TP worker is the machine's fault, not the requests': clients may resume them elsewhere.
             kind = ErrorCode.ENGINE_FAILED if isinstance(exc, WorkerDied) else ErrorCode.ENGINE_ERROR
-            self._fail_all(make_error(kind, f"engine {self.engine_id} failed: {exc}"))
+            self._fail_all(kind, f"engine {self.engine_id} failed: {exc}")
             code = 1
         self.stop_event.set()
         self.output_queue.put(None)
@@ -193,7 +194,7 @@ class EngineServer:
             return  # already rejoined (the heartbeat reports at every beat until then)
         logger.warning("engine %s: rejoining as a new incarnation; ending %d requests", self.engine_id,
                        len(self.in_flight))
-        self._abort_all(batch, make_error(ErrorCode.ENGINE_GONE, f"engine {self.engine_id} was declared dead"))
+        self._abort_all(batch, ErrorCode.ENGINE_GONE, f"engine {self.engine_id} was declared dead")
         batch.ack_ids.clear()
         self.reader.reset()
         self._register()  # deletes the prefix index: publish the whole cache again
@@ -205,7 +206,7 @@ class EngineServer:
         """Signal handler: stop taking traffic, finish what is in flight, then exit."""
         if self.draining_since is None:
             self.draining_since = time.monotonic()
-            self.input_queue.put(None)
+            self.input_queue.put(Drain())
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_drain)
@@ -214,7 +215,7 @@ class EngineServer:
     def _input_loop(self) -> None:
         while not self.stop_event.is_set():
             for message_id, msg in self.reader.read(block_ms=200, count=256):
-                self.input_queue.put((message_id, msg))
+                self.input_queue.put(Received(message_id, msg))
 
     def _output_loop(self) -> None:
         while True:
@@ -230,7 +231,7 @@ class EngineServer:
             lost = [o.request_id for c, n in receivers.items() if n == 0
                     for o in batch.by_client[c].outputs if o.finish_reason is None]
             if lost:
-                self.input_queue.put((_CLIENT_GONE, lost))
+                self.input_queue.put(ClientGone(lost))
 
     def _busy_loop(self) -> None:
         core = self.core
@@ -246,7 +247,7 @@ class EngineServer:
                     self._flush(batch, force_stats=True)
                     return
                 if time.monotonic() - self.draining_since > self.drain_timeout:
-                    self._abort_all(batch, make_error(ErrorCode.ENGINE_GONE, "engine shut down while draining"))
+                    self._abort_all(batch, ErrorCode.ENGINE_GONE, "engine shut down while draining")
                     self._flush(batch, force_stats=True)
                     return
             self._expire_deadlines(batch)
@@ -267,39 +268,50 @@ class EngineServer:
             item = self.input_queue.get(timeout=timeout) if block else self.input_queue.get_nowait()
         except queue.Empty:
             return
-        while item is not None or not self.input_queue.empty():
-            if item is not None:
-                self._handle(batch, *item)
+        while True:
+            self._handle(batch, item)
             try:
                 item = self.input_queue.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, batch: StepBatch, message_id, msg) -> None:
-        if message_id is _REJOIN:
-            self._rejoin(batch)
-        elif message_id is _CLIENT_GONE:
-            # Outputs of these requests reached no subscriber: their client is gone, or lost its
-            # subscription and so fails them itself. Only these requests: a client that is back may
-            # already have sent new ones. Sequence numbers are never reset (see OutputPublisher).
-            ids = [rid for rid in dict.fromkeys(msg) if rid in self.in_flight]
-            if ids:
-                logger.info("engine %s: aborting %d requests whose client is not listening", self.engine_id, len(ids))
-                self._abort(batch, ids)
-        elif isinstance(msg, AddRequest):
-            self._add(batch, message_id, msg)
-        elif isinstance(msg, AbortRequests):
-            ids = [rid for rid in msg.request_ids if rid in self.in_flight]
-            if msg.index is None:
-                self._abort(batch, ids)
-            else:
-                for rid in ids:
-                    for out in self.core.abort_sequence(rid, msg.index):
-                        self._emit(batch, out)
-        elif isinstance(msg, UtilityCall):
-            batch.add_utility(self.engine_id, msg.client_id, self._call_utility(msg))
-        elif isinstance(msg, StartWave):
-            self.waves.on_start_wave(msg)
+    def _handle(self, batch: StepBatch, item: InputItem) -> None:
+        match item:
+            case Received(message_id, AddRequest() as msg):
+                self._add(batch, message_id, msg)
+            case Received(_, AbortRequests() as msg):
+                self._abort_message(batch, msg)
+            case Received(_, UtilityCall() as msg):
+                batch.add_utility(self.engine_id, msg.client_id, self._call_utility(msg))
+            case Received(_, StartWave() as msg):
+                self.waves.on_start_wave(msg)
+            case Received(message_id, msg):
+                logger.warning("engine %s: ignoring a %s on its request stream (entry %s)", self.engine_id,
+                               type(msg).__name__, message_id)
+            case ClientGone(request_ids):
+                self._client_gone(batch, request_ids)
+            case Rejoin():
+                self._rejoin(batch)
+            case Drain():
+                pass  # it only woke the busy loop: request_drain has already set draining_since
+
+    def _abort_message(self, batch: StepBatch, msg: AbortRequests) -> None:
+        ids = [rid for rid in msg.request_ids if rid in self.in_flight]
+        if msg.index is None:
+            self._abort(batch, ids)
+            return
+        for rid in ids:
+            for out in self.core.abort_sequence(rid, msg.index):
+                self._emit(batch, out)
+
+    def _client_gone(self, batch: StepBatch, request_ids: list[str]) -> None:
+        """Outputs of these requests reached no subscriber: their client is gone, or lost its
+        subscription and so fails them itself. Only these requests: a client that is back may
+        already have sent new ones. Sequence numbers are never reset (see OutputPublisher)."""
+        ids = [rid for rid in dict.fromkeys(request_ids) if rid in self.in_flight]
+        if ids:
+            logger.info("engine %s: aborting %d requests whose client is not listening", self.engine_id, len(ids))
+            self._abort(batch, ids)
 
     def _add(self, batch: StepBatch, message_id: str, msg: AddRequest) -> None:
         if msg.request_id in self.in_flight:
@@ -308,9 +320,8 @@ class EngineServer:
             params = SamplingParams.from_dict(msg.params)
             self.core.add_request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time)
         except (ValueError, TypeError) as exc:
-            batch.add(self.engine_id, msg.client_id, RequestOutput(
-                msg.request_id, 0, [], finish_reason="error",
-                error=make_error(ErrorCode.INVALID_REQUEST, str(exc))))
+            batch.add(self.engine_id, msg.client_id,
+                      RequestOutput.failure(msg.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
             batch.ack_ids.append(message_id)
             return
         self.in_flight[msg.request_id] = InFlight(msg.client_id, message_id, msg.deadline, params.n)
@@ -319,12 +330,13 @@ class EngineServer:
         for out in self.core.abort_request(request_ids):
             self._emit(batch, out)
 
-    def _emit(self, batch: StepBatch, out: RequestOutput, error: str | None = None) -> None:
+    def _emit(self, batch: StepBatch, out: RequestOutput, error: tuple[ErrorCode, str] | None = None) -> None:
         flight = self.in_flight.get(out.request_id)
         if flight is None:
             return
         if error is not None:
-            out.finish_reason, out.error = "error", error
+            out.finish_reason = FinishReason.ERROR
+            out.error_code, out.error_message = error
         batch.add(self.engine_id, flight.client_id, out)
         if out.finish_reason is not None:
             flight.remaining -= 1
@@ -375,15 +387,14 @@ class EngineServer:
         if batch:
             self.output_queue.put(batch)
 
-    def _abort_all(self, batch: StepBatch, error: str) -> None:
+    def _abort_all(self, batch: StepBatch, code: ErrorCode, message: str) -> None:
         for out in self.core.abort_request(list(self.in_flight)):
-            self._emit(batch, out, error=error)
+            self._emit(batch, out, error=(code, message))
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
         batch = StepBatch()
         for request_id, flight in list(self.in_flight.items()):
-            batch.add(self.engine_id, flight.client_id,
-                      RequestOutput(request_id, 0, [], finish_reason="error", error=error))
+            batch.add(self.engine_id, flight.client_id, RequestOutput.failure(request_id, code, message))
             batch.ack_ids.append(flight.message_id)
         self.in_flight.clear()
         self.output_queue.put(batch)

@@ -1,8 +1,9 @@
 """A scripted, in-process stand-in for the broker client, and helpers to drive the Flask app with it.
 
 The API tests that need no Redis and no engine (tests/test_api_fake_broker.py and others) build the app
-with `make_app(model_dir, tokenizer, FakeClient(script))`; a script turns each AddRequest into the outputs
-an engine would send.
+with `make_app(model_dir, tokenizer, FakeClient(script))`, or just its state with `make_state`; a script
+turns each AddRequest into the outputs an engine would send. Importing this module does not import Flask
+(tests/test_batch_runner.py runs the batch path where Flask cannot be imported).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from api.app import create_app
 from api.config import ApiConfig
 from api.state import ApiState
 from api.tokenizer import ModelTokenizer
@@ -109,10 +109,16 @@ def token_script(tokens: list[int], finish: str = "length", logprobs: bool = Fal
     return script
 
 
-def make_app(tiny_llama_dir: str, tokenizer: ModelTokenizer, client: FakeClient, **config: Any):
+def make_state(tiny_llama_dir: str, tokenizer: ModelTokenizer, client: FakeClient, **config: Any) -> ApiState:
     cfg = ApiConfig(model=tiny_llama_dir, redis_url="redis://127.0.0.1:1/0", **config)
-    app = create_app(cfg, ApiState(cfg, tokenizer=tokenizer, client=client))
-    return app.test_client()
+    return ApiState(cfg, tokenizer=tokenizer, client=client)
+
+
+def make_app(tiny_llama_dir: str, tokenizer: ModelTokenizer, client: FakeClient, **config: Any):
+    from api.app import create_app  # here, not at the top: the module stays importable without Flask
+
+    state = make_state(tiny_llama_dir, tokenizer, client, **config)
+    return create_app(state.config, state).test_client()
 
 
 def sse_events(response) -> list[Any]:

@@ -10,12 +10,14 @@ import json
 import threading
 
 import pytest
+from fake_broker import FakeClient, make_app, sse_events, token_script
 
+from api.app import sse_body
+from api.errors import ApiError, sse_error
 from api.generation import ClientDisconnected, Generation, GenerationError
 from api.tokenizer import ModelTokenizer
-from broker.messages import AddRequest, RequestOutput
+from broker.messages import AddRequest, ErrorCode, RequestOutput
 from broker.sampling_params import SamplingParams
-from tests.fake_broker import FakeClient, make_app, sse_events, token_script
 
 TEXT = "Hello world, this is a test. STOP here and more text follows"
 
@@ -126,11 +128,25 @@ def test_generation_error_output_raises(tokenizer) -> None:
     assert info.value.error == "invalid_request: bad"
 
 
+class FailureRecorder:
+    """Keeps the error code a generation reports to its metrics recorder."""
+
+    error: str | None = None
+
+    def on_tokens(self, choice: int, count: int) -> None:
+        pass
+
+    def on_finish(self, prompt_tokens: int, completion_tokens: int, reasons: list[str], error: str | None) -> None:
+        self.error = error
+
+
 def test_generation_disconnect_aborts(tokenizer) -> None:
     client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [10]), None])
+    recorder = FailureRecorder()
     with pytest.raises(ClientDisconnected):
-        run_generation(client, tokenizer, SamplingParams(), is_disconnected=lambda: True)
+        run_generation(client, tokenizer, SamplingParams(), is_disconnected=lambda: True, recorder=recorder)
     assert client.handles[0].aborted
+    assert recorder.error == ErrorCode.CLIENT_DISCONNECTED  # the metrics' failure label
 
 
 # ----------------------------------------------------------------------------------------- HTTP app
@@ -353,3 +369,28 @@ def test_stream_whose_last_delta_has_no_text_still_carries_finish_reason(tiny_ll
     assert events[-1] == "[DONE]"
     finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"] is not None]
     assert finishes == ["stop"]
+
+
+def test_sse_body_frames_chunks_errors_and_done() -> None:
+    closed: list[bool] = []
+
+    def chunks(end: BaseException | ApiError | None):
+        try:
+            yield {"text": "é"}
+            if isinstance(end, ApiError):
+                yield end
+            elif end is not None:
+                raise end
+        finally:
+            closed.append(True)
+
+    assert list(sse_body(chunks(None))) == ['data: {"text":"é"}\n\n', "data: [DONE]\n\n"]
+    error = ApiError(503, "gone", code="engine_gone")
+    assert list(sse_body(chunks(error)))[1:] == [sse_error(error), "data: [DONE]\n\n"]
+    assert list(sse_body(chunks(ClientDisconnected("req")))) == ['data: {"text":"é"}\n\n']  # nothing after
+    held = chunks(None)  # still referenced here, as a traceback may hold it: closing the body must close it
+    body = sse_body(held)
+    next(body)
+    closed.clear()
+    body.close()
+    assert closed == [True]

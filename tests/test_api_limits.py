@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 import requests
+from fake_broker import FakeClient, make_app, token_script
 
 from api.app import create_app
 from api.config import ApiConfig
@@ -28,7 +29,6 @@ from broker.keys import RedisKeys
 from broker.messages import AbortRequests, AddRequest, RequestOutput, decode
 from broker.registry import EngineHeartbeat, EngineRegistry
 from broker.sampling_params import API_ONLY_FIELDS, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from tests.fake_broker import FakeClient, make_app, token_script
 
 USER = [{"role": "user", "content": "hi"}]
 TEN_MB = "hello world " * 873_814  # 10 MiB of text: ~5 M tokens, ~25 s to tokenize on one core

@@ -21,11 +21,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 import requests
+from conftest import ApiStack
 from stack_procs import wait_for
 
 from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
-from tests.conftest import ApiStack
 
 LIMIT = 4
 BACKLOG = 2

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 import requests
+from conftest import ApiStack
 
 from broker.redis_server import EmbeddedRedis
-from tests.conftest import ApiStack
 
 DEADLINE_S = 45
 

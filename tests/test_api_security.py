@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import requests
-from flask import jsonify
 
+from api.answer import Answer
 from api.app import create_app
 from api.batch import runner as batch_runner
 from api.batch.records import BatchRequest
@@ -223,9 +223,7 @@ def test_batch_custom_id_in_log_lines_is_escaped(monkeypatch, caplog) -> None:
 
     def transient_then_ok(state, body, connected):
         status, message = next(answers)
-        response = jsonify({"error": {"message": message}} if status != 200 else {"ok": True})
-        response.status_code = status
-        return response
+        return Answer(status, {"error": {"message": message}} if status != 200 else {"ok": True})
 
     def broken(state, body, connected):
         raise RuntimeError("boom")

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import api.batch.runner as runner_module
+from api.answer import Answer
 from api.batch import tasks
 from api.batch.cli import ProgressBar, _settings
 from api.batch.records import BatchRequest
@@ -116,13 +117,11 @@ def test_runner_retries_transient_answers(monkeypatch: pytest.MonkeyPatch) -> No
     answers = [ApiError(503, "no engine is ready"), ApiError(429, "too many"), None]
 
     def handler(state, body, is_disconnected):
-        from flask import jsonify
-
         error = answers.pop(0)
         if error is not None:
             raise error
         assert not is_disconnected()
-        return jsonify({"echo": body["prompt"]})
+        return Answer(body={"echo": body["prompt"]})
 
     monkeypatch.setitem(runner_module._HANDLERS, "/v1/completions", handler)
     monkeypatch.setattr(runner_module.time, "sleep", lambda s: None)

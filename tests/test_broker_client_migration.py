@@ -1,18 +1,19 @@
 """BrokerClient resumes started requests on another engine (`broker.client_migration`): real Redis, fake
 engines that continue a sequence from its prompt, so a continuation is checked token by token."""
+# ruff: noqa: F811 - test parameters named after the fixtures imported from broker_fakes
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import defaultdict
 
 import pytest
-from test_broker_client import FakeEngine, add, cluster, collect, eventually  # noqa: F401 - cluster is a fixture
+from broker_fakes import add, cluster, collect, engines  # noqa: F401 - fixtures (see the top)
+from stack_procs import poll
 
 from broker.engine_presence import EnginePresence
 from broker.errors import NoEngineAvailable
 from broker.messages import (
-    AddRequest,
     EngineOutputs,
     ErrorCode,
     FinishReason,
@@ -20,83 +21,6 @@ from broker.messages import (
     error_code,
     make_error,
 )
-from broker.sampling_params import SamplingParams
-
-PROMPT_LEN = 3  # `add()` prompts: [first_token, 7, 7]
-
-
-class ContinuingEngine(FakeEngine):
-    """Sequence i of a request whose prompt starts with t goes t*1000 + 100*i + 1, + 2, ...; a prompt longer
-    than `PROMPT_LEN` is a continuation: it goes on from its last token. `hold()` stops every output."""
-
-    def __init__(self, *args, presence: bool = False, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.presence = EnginePresence(args[0], args[1], args[2], lambda: self.incarnation) if presence else None
-        self.incarnation = ""
-        self.received: dict[str, AddRequest] = {}
-
-    def start(self, ready=True):
-        self.reader.reset()
-        self.incarnation = self.registry.register(self.engine_id, {"dp_rank": 0, "tp": 1, "model": "fake",
-                                                                    **({"presence": 1} if self.presence else {})})
-        if self.presence:
-            self.presence.start()
-            assert self.presence.wait_subscribed(5)
-        self.heartbeat.start()
-        self.registry.mark_ready(self.engine_id, num_kv_blocks=100, block_size=16, max_model_len=1024)
-        self._thread.start()
-        return self
-
-    def hold(self) -> None:
-        self.go.clear()
-
-    def crash(self):
-        super().crash()
-        if self.presence:
-            self.presence.stop()  # as the kernel closing a killed process's socket
-
-    def _handle(self, msg_id, msg):
-        if isinstance(msg, AddRequest):
-            self.received[msg.request_id] = msg
-        super()._handle(msg_id, msg)
-
-    def _step(self):
-        outputs: dict[str, list[RequestOutput]] = defaultdict(list)
-        acks = []
-        for rid, st in list(self.running.items()) if self.go.is_set() else []:
-            add_, prompt = st["add"], st["add"].prompt_token_ids
-            params = SamplingParams.from_dict(add_.params)
-            for i, made in enumerate(st["made"]):
-                if i in st["done"]:
-                    continue
-                made = st["made"][i] = made + 1
-                start = prompt[-1] if len(prompt) > PROMPT_LEN else prompt[0] * 1000 + 100 * i
-                finish = "length" if made >= params.max_tokens else None
-                if finish:
-                    st["done"].add(i)
-                outputs[add_.client_id].append(RequestOutput(rid, i, [start + made], finish, None, len(prompt), 0))
-            if len(st["done"]) == len(st["made"]):
-                acks.append(st["msg_id"])
-                del self.running[rid]
-        step = {c: EngineOutputs(self.engine_id, outs, time.time()) for c, outs in outputs.items()}
-        if step or acks:
-            self.publisher.publish(step, acks, {"running": len(self.running)})
-        time.sleep(self.step_delay)
-
-
-@pytest.fixture
-def engines(cluster):  # noqa: F811
-    made = []
-
-    def start(engine_id, **kw):
-        eng = ContinuingEngine(cluster.url, cluster.keys, engine_id, **kw).start()
-        made.append(eng)
-        return eng
-    yield start
-    for eng in made:
-        eng.stop()
-        if eng.presence:
-            eng.presence.stop()
 
 
 def _tokens(outs, index=0):
@@ -108,7 +32,7 @@ def _started(handle, count):
     return [handle.get(timeout=5) for _ in range(count)]
 
 
-def test_a_started_request_continues_on_another_engine_when_its_heartbeat_expires(cluster, engines):  # noqa: F811
+def test_a_started_request_continues_on_another_engine_when_its_heartbeat_expires(cluster, engines):
     e0, e1 = engines("e0", ttl=0.4, step_delay=0.05), engines("e1")
     moves = []
     client = cluster.client(on_migration=lambda *move: moves.append(move))
@@ -127,7 +51,7 @@ def test_a_started_request_continues_on_another_engine_when_its_heartbeat_expire
     assert client.in_flight() == 0
 
 
-def test_a_killed_engine_is_seen_by_its_presence_long_before_its_heartbeat_expires(cluster, engines):  # noqa: F811
+def test_a_killed_engine_is_seen_by_its_presence_long_before_its_heartbeat_expires(cluster, engines):
     e0, _ = engines("e0", ttl=30.0, step_delay=0.05, presence=True), engines("e1", presence=True)
     moves = []
     client = cluster.client(liveness_interval=5.0, on_migration=lambda *move: moves.append(move))
@@ -144,7 +68,7 @@ def test_a_killed_engine_is_seen_by_its_presence_long_before_its_heartbeat_expir
     assert all(client.submit(add(max_tokens=1)).engine_id == "e1" for _ in range(4))
 
 
-def test_every_running_sequence_of_n_continues_on_its_own(cluster, engines):  # noqa: F811
+def test_every_running_sequence_of_n_continues_on_its_own(cluster, engines):
     e0, e1 = engines("e0", ttl=0.4, step_delay=0.05), engines("e1")
     client = cluster.client()
     handle = client.submit(add(first_token=4, n=2, max_tokens=4, temperature=0), engine_id="e0")
@@ -158,7 +82,7 @@ def test_every_running_sequence_of_n_continues_on_its_own(cluster, engines):  # 
     assert {o.request_id for o in outs} == {handle.request_id}
 
 
-def test_a_sequence_the_caller_stopped_is_not_continued(cluster, engines):  # noqa: F811
+def test_a_sequence_the_caller_stopped_is_not_continued(cluster, engines):
     e0, e1 = engines("e0", ttl=0.4, step_delay=0.05), engines("e1")
     client = cluster.client()
     handle = client.submit(add(first_token=5, n=2, max_tokens=4, temperature=0), engine_id="e0")
@@ -172,14 +96,14 @@ def test_a_sequence_the_caller_stopped_is_not_continued(cluster, engines):  # no
     assert list(e1.received) == [f"{handle.request_id}~m1.0"]
 
 
-def test_a_request_moves_at_most_max_migrations_times(cluster, engines):  # noqa: F811
+def test_a_request_moves_at_most_max_migrations_times(cluster, engines):
     e0, e1 = engines("e0", ttl=0.4, step_delay=0.05), engines("e1", ttl=0.4, step_delay=0.05)
     client = cluster.client(max_migrations=1)
     handle = client.submit(add(first_token=6, max_tokens=50, temperature=0), engine_id="e0")
     _started(handle, 1)
     e0.hold()
     e0.crash()
-    assert eventually(lambda: handle.engine_id == "e1" and e1.running)
+    poll(lambda: handle.engine_id == "e1" and e1.running, 5, "the request running on e1")
     assert handle.get(timeout=5).new_token_ids  # e1 produces
     e1.hold()
     e1.crash()
@@ -188,19 +112,35 @@ def test_a_request_moves_at_most_max_migrations_times(cluster, engines):  # noqa
     assert "moved 1 time(s) already (--max-migrations 1)" in outs[-1].error
 
 
-def test_a_request_the_caller_closed_is_not_resumed(cluster, engines):  # noqa: F811
+def test_a_request_the_caller_closed_is_not_resumed(cluster, engines, monkeypatch):
     e0, e1 = engines("e0", ttl=0.4, step_delay=0.05), engines("e1")
-    client = cluster.client()
+    moves = []
+    client = cluster.client(on_migration=lambda *move: moves.append(move))
     handle = client.submit(add(first_token=7, max_tokens=50, temperature=0), engine_id="e0")
     _started(handle, 1)
     e0.hold()
     handle.close()  # the HTTP client went away
+    checks = _liveness_checks_without(client, "e0", monkeypatch)
     e0.crash()
-    time.sleep(1.0)  # several liveness checks: nothing may be sent on
-    assert not e1.received and client.in_flight() == 0
+    poll(lambda: checks["done"] >= 2, 5, "two whole liveness checks after e0's heartbeat expired")
+    assert not moves and not e1.received and client.in_flight() == 0
 
 
-def test_a_dead_tp_worker_engine_failed_output_resumes_the_request(cluster, engines):  # noqa: F811
+def _liveness_checks_without(client, engine_id, monkeypatch) -> dict[str, int]:
+    """Counts the client's liveness checks that found `engine_id` gone (checks["done"]): once it is 2, the
+    first of them has finished whatever it did about that engine's requests (the checks run one by one)."""
+    checks = {"done": 0}
+    collect_orphans = client.table.collect_orphans
+
+    def counting(live, *args):
+        orphans = collect_orphans(live, *args)
+        checks["done"] += engine_id not in live
+        return orphans
+    monkeypatch.setattr(client.table, "collect_orphans", counting)
+    return checks
+
+
+def test_a_dead_tp_worker_engine_failed_output_resumes_the_request(cluster, engines):
     e0, _ = engines("e0", step_delay=0.05), engines("e1")
     moves = []
     client = cluster.client(on_migration=lambda *move: moves.append(move))
@@ -214,7 +154,7 @@ def test_a_dead_tp_worker_engine_failed_output_resumes_the_request(cluster, engi
     assert moves == [("engine_failed", "e0", "e1")]
 
 
-def test_an_engine_failed_request_that_cannot_move_ends_with_the_engines_error(cluster, engines):  # noqa: F811
+def test_an_engine_failed_request_that_cannot_move_ends_with_the_engines_error(cluster, engines):
     e0 = engines("e0", step_delay=0.05)
     client = cluster.client(max_migrations=0)
     handle = client.submit(add(first_token=9, max_tokens=50, temperature=0), engine_id="e0")
@@ -226,23 +166,23 @@ def test_an_engine_failed_request_that_cannot_move_ends_with_the_engines_error(c
     assert error_code(last.error) == ErrorCode.ENGINE_FAILED and "worker died" in last.error
 
 
-def test_an_engine_whose_presence_comes_back_is_used_again(cluster, engines):  # noqa: F811
+def test_an_engine_whose_presence_comes_back_is_used_again(cluster, engines):
     e0 = engines("e0", ttl=30.0, step_delay=0.05, presence=True)
     client = cluster.client(liveness_interval=5.0)
     handle = client.submit(add(first_token=1, max_tokens=40, temperature=0), engine_id="e0")
     outs = _started(handle, 1)
     e0.presence.stop()  # its connection dropped (a Redis restart), the process lives on
-    assert eventually(lambda: "e0" in client._gone_engines())
+    poll(lambda: "e0" in client.table.gone_engines(), 5, "e0 declared gone")
     with pytest.raises(NoEngineAvailable):
         client.submit(add(max_tokens=1))
     e0.presence = EnginePresence(cluster.url, cluster.keys, "e0", lambda: e0.incarnation).start()
-    assert eventually(lambda: not client._gone_engines())
+    poll(lambda: not client.table.gone_engines(), 5, "the verdict on e0 withdrawn")
     assert collect(client.submit(add(first_token=2, max_tokens=2)))[-1].finish_reason == "length"
     outs += collect(handle, timeout=10)
     assert _tokens(outs) == [1000 + k for k in range(1, 41)] and handle.migrations == 0
 
 
-def test_an_engine_that_fails_and_deregisters_at_once_counts_as_failed(cluster, engines):  # noqa: F811
+def test_an_engine_that_fails_and_deregisters_at_once_counts_as_failed(cluster, engines, monkeypatch):
     """The engine_failed outputs and the deregistration reach the client before its next liveness check:
     the move is still reported as engine_failed (the registry catching up must not erase why)."""
     e0, _ = engines("e0", step_delay=0.05), engines("e1")
@@ -251,11 +191,32 @@ def test_an_engine_that_fails_and_deregisters_at_once_counts_as_failed(cluster, 
     handle = client.submit(add(first_token=8, max_tokens=5, temperature=0), engine_id="e0")
     outs = _started(handle, 2)
     e0.hold()
-    with client._lock:  # the liveness check runs only after both events have landed
-        failed = RequestOutput(handle.request_id, 0, [], "error",
-                               error=make_error(ErrorCode.ENGINE_FAILED, "worker died"))
-        e0.publisher.publish({client.client_id: EngineOutputs("e0", [failed], time.time())}, [], None)
-        e0.stop()  # deregisters
+    landed = threading.Event()  # the outputs reach the client only after the deregistration
+    deliver = client.table.deliver
+    monkeypatch.setattr(client.table, "deliver", lambda outs: (landed.wait(10), deliver(outs)))
+    failed = RequestOutput(handle.request_id, 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died"))
+    e0.publisher.publish({client.client_id: EngineOutputs("e0", [failed], time.time())}, [], None)
+    e0.stop()  # deregisters
+    landed.set()
     outs += collect(handle, timeout=10)
     assert _tokens(outs) == [8001, 8002, 8003, 8004, 8005] and outs[-1].error is None
     assert moves == [("engine_failed", "e0", "e1")]
+
+
+def test_a_request_resumed_as_n_continuations_moves_once_when_its_new_engine_dies(cluster, engines):
+    """After a first move an n=2 request sits under two continuation ids; when their engine dies too, the
+    request moves once more, as one request (not once per continuation), within `max_migrations`."""
+    fleet = {e: engines(e, ttl=0.4, step_delay=0.05) for e in ("e0", "e1", "e2", "e3")}
+    moves = []
+    client = cluster.client(on_migration=lambda *move: moves.append(move))
+    handle = client.submit(add(first_token=4, n=2, max_tokens=12, temperature=0), engine_id="e0")
+    outs = _started(handle, 2)
+    fleet["e0"].hold()
+    fleet["e0"].crash()
+    poll(lambda: handle.migrations == 1 and fleet[handle.engine_id].running, 5, "the first move")
+    second = fleet[handle.engine_id]
+    second.hold()
+    second.crash()
+    outs += collect(handle, timeout=10)
+    assert handle.migrations == 2 and [m[1] for m in moves] == ["e0", second.engine_id]
+    assert _tokens(outs, 0) == [4000 + k for k in range(1, 13)] and _tokens(outs, 1) == [4100 + k for k in range(1, 13)]

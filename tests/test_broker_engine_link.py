@@ -11,6 +11,8 @@ from broker.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
+    ErrorCode,
+    FinishReason,
     RequestOutput,
     StartWave,
     UtilityCall,
@@ -242,7 +244,7 @@ def test_publisher_replaces_unencodable_items(redis_client, redis_keys):
     )  # fmt: skip
     assert pub.publish({"c1": bad}) == {"c1": 1}
     got = decode(sub.get_message(timeout=1)["data"])
-    assert got.outputs[0].finish_reason == "error" and got.outputs[0].error.startswith("engine_error")
+    assert got.outputs[0].finish_reason is FinishReason.ERROR and got.outputs[0].error_code is ErrorCode.ENGINE_ERROR
     assert got.outputs[1].new_token_ids == [2]
     assert got.utility_results[0].error.startswith("engine_error")
     sub.close()

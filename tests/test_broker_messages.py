@@ -1,3 +1,4 @@
+import dataclasses
 import time
 
 import msgpack
@@ -8,6 +9,7 @@ from broker.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,
+    FinishReason,
     MessageError,
     RequestOutput,
     StartWave,
@@ -17,6 +19,7 @@ from broker.messages import (
     encode,
     error_code,
     make_error,
+    split_error,
 )
 
 SAMPLES = [
@@ -30,15 +33,18 @@ SAMPLES = [
     EngineOutputs(
         "e0",
         [
-            RequestOutput("r1", 0, [5, 6], None, None, 3, 0, None, None),
-            RequestOutput("r1", 1, [7], "stop", 13, 3, 2, [[-0.1, 1, [7, 8], [-0.1, -2.5]]], None),
-            RequestOutput("r2", 0, [], "error", "</s>", 0, 0, None, make_error(ErrorCode.ENGINE_ERROR, "boom")),
+            RequestOutput("r1", 0, [5, 6], None, None, 3, 0, None),
+            RequestOutput("r1", 1, [7], FinishReason.STOP, 13, 3, 2, [[-0.1, 1, [7, 8], [-0.1, -2.5]]]),
+            RequestOutput("r2", 0, [], FinishReason.ERROR, "</s>", 0, 0, None, ErrorCode.ENGINE_ERROR,
+                          error_message="boom"),
+            RequestOutput.failure("r3", ErrorCode.DEADLINE_EXCEEDED, "too slow: really", index=2),
         ],
         123.5,
         [UtilityResult("u1", {"a": [1, 2]}, None), UtilityResult("u2", None, "failed")],
         seq=42,
     ),
 ]
+TOP_LEVEL = [AddRequest, AbortRequests, UtilityCall, StartWave, EngineOutputs]
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
@@ -46,11 +52,31 @@ def test_round_trip(msg):
     assert decode(encode(msg)) == msg
 
 
-def test_wire_is_a_tagged_versioned_map():
+def test_wire_is_a_tagged_versioned_map_without_defaults():
     raw = msgpack.unpackb(encode(AbortRequests(["r"], "c")))
     assert raw == {"t": "abort", "v": 1, "request_ids": ["r"], "client_id": "c"}
-    outs = msgpack.unpackb(encode(SAMPLES[-1]))
-    assert outs["t"] == "outputs" and isinstance(outs["outputs"][0], list)
+    assert list(raw)[:2] == ["t", "v"]  # tag first: readable in redis-cli output
+    assert msgpack.unpackb(encode(AbortRequests(["r"], "c", index=0)))["index"] == 0
+    outs = msgpack.unpackb(encode(EngineOutputs("e0", [], 1.0, seq=1)))
+    assert outs == {"t": "outputs", "v": 2, "engine_id": "e0", "outputs": [], "timestamp": 1.0, "seq": 1}
+
+
+def test_request_outputs_are_arrays_in_declared_order_trailing_defaults_left_out():
+    outs = msgpack.unpackb(encode(SAMPLES[-1]))["outputs"]
+    assert outs[0] == ["r1", 0, [5, 6], None, None, 3]  # a running sequence: no finish, logprobs or error
+    assert outs[1] == ["r1", 1, [7], "stop", 13, 3, 2, [[-0.1, 1, [7, 8], [-0.1, -2.5]]]]
+    assert outs[2] == ["r2", 0, [], "error", "</s>", 0, 0, None, "engine_error", None, "boom"]
+    assert outs[3] == ["r3", 2, [], "error", None, 0, 0, None, "deadline_exceeded", None, "too slow: really"]
+    names = [f.name for f in dataclasses.fields(RequestOutput)]
+    assert names[:9] == ["request_id", "index", "new_token_ids", "finish_reason", "stop_reason",
+                         "num_prompt_tokens", "num_cached_tokens", "logprobs", "error_code"]
+    assert msgpack.unpackb(encode(SAMPLES[-1]))["utility_results"] == [["u1", {"a": [1, 2]}], ["u2", None, "failed"]]
+
+
+def test_enums_decode_to_enum_members():
+    got = decode(encode(SAMPLES[-1]))
+    assert got.outputs[1].finish_reason is FinishReason.STOP
+    assert got.outputs[3].error_code is ErrorCode.DEADLINE_EXCEEDED and got.outputs[3].finished
 
 
 def _wire(msg, **changes):
@@ -79,20 +105,42 @@ def test_garbage_raises_message_error(data):
         decode(data)
 
 
+_RUNNING = ["r1", 0, [5], None, None, 1, 0]
+
+
 @pytest.mark.parametrize(
     "data",
     [
         _wire(SAMPLES[0], v=2),
         _wire(SAMPLES[0], v=None),
+        _wire(SAMPLES[-1], v=1),  # version 1 carried the error as "<code>: detail" text in item 8
         _wire(SAMPLES[0], prompt_token_ids=[1, "2"]),
         _wire(SAMPLES[0], prompt_token_ids=[1, True]),
+        _wire(SAMPLES[0], prompt_token_ids=None),
         _wire(SAMPLES[0], params=[1]),
         _wire(SAMPLES[0], arrival_time="now"),
+        _wire(SAMPLES[0], arrival_time=True),
+        _wire(SAMPLES[0], deadline="later"),
+        _wire(SAMPLES[0], request_id=None),
         _wire(SAMPLES[2], request_ids=[1]),
+        _wire(SAMPLES[2], index="0"),
+        _wire(SAMPLES[3], args={"a": 1}),
         _wire(SAMPLES[4], wave="1"),
+        _wire(SAMPLES[4], exclude_engine=3),
         _wire(SAMPLES[-1], outputs=[["r1", 0]]),
         _wire(SAMPLES[-1], outputs=[["r1", "0", [], None, None, 0, 0, None, None]]),
+        _wire(SAMPLES[-1], outputs=[["r1", 0, [1.5]]]),
+        _wire(SAMPLES[-1], outputs=[[*_RUNNING, "logprobs"]]),
+        _wire(SAMPLES[-1], outputs=["r1"]),
+        _wire(SAMPLES[-1], outputs={"r1": 0}),
+        _wire(SAMPLES[-1], outputs=[["r1", 0, [], "finished"]]),  # not a FinishReason
+        _wire(SAMPLES[-1], outputs=[["r1", 0, [], "error", None, 0, 0, None, "kaput"]]),  # not an ErrorCode
+        _wire(SAMPLES[-1], outputs=[["r1", 0, [], "error", None, 0, 0, None, ["engine_error"]]]),
+        _wire(SAMPLES[-1], outputs=[["r1", 0, [], "error", None, 0, 0, None, "engine_error", None, 7]]),
         _wire(SAMPLES[-1], utility_results=[[1, None, None]]),
+        _wire(SAMPLES[-1], utility_results=None),
+        _wire(SAMPLES[-1], seq="1"),
+        _wire(SAMPLES[-1], timestamp=None),
     ],
 )
 def test_bad_version_or_fields_raise_message_error(data):
@@ -100,15 +148,33 @@ def test_bad_version_or_fields_raise_message_error(data):
         decode(data)
 
 
-def test_missing_field_raises_message_error():
-    raw = msgpack.unpackb(encode(SAMPLES[0]))
-    del raw["request_id"]
-    with pytest.raises(MessageError, match="request_id"):
-        decode(msgpack.packb(raw))
+@pytest.mark.parametrize("cls", TOP_LEVEL, ids=lambda c: c.__name__)
+def test_each_missing_required_field_raises_message_error(cls):
+    sample = next(m for m in SAMPLES if type(m) is cls)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    assert required
+    for name in required:
+        raw = msgpack.unpackb(encode(sample))
+        del raw[name]
+        with pytest.raises(MessageError, match=name):
+            decode(msgpack.packb(raw))
+
+
+def test_numbers_widen_to_float_and_optional_fields_take_their_defaults():
+    raw = {"t": "add", "v": 1, "request_id": "r", "client_id": "c", "prompt_token_ids": [1], "params": {},
+           "arrival_time": 5}
+    got = decode(msgpack.packb(raw))
+    assert got.arrival_time == 5.0 and type(got.arrival_time) is float and got.deadline is None
+    got = decode(msgpack.packb({"t": "outputs", "v": 2, "engine_id": "e", "outputs": [["r", 0, []]], "timestamp": 2}))
+    assert got == EngineOutputs("e", [RequestOutput("r", 0, [])], 2.0, [], 0)
 
 
 def test_unknown_extra_fields_are_ignored():
     assert decode(_wire(SAMPLES[2], future_field=1)) == SAMPLES[2]
+    assert decode(_wire(SAMPLES[1], arrival_time=1, future_field=1)) == SAMPLES[1]  # the field-by-field path
+    longer = [*msgpack.unpackb(encode(SAMPLES[-1]))["outputs"][2], "a future field"]
+    assert decode(_wire(SAMPLES[-1], outputs=[longer])).outputs == [SAMPLES[-1].outputs[2]]
 
 
 def test_expect_rejects_other_types():
@@ -122,11 +188,26 @@ def test_unencodable_payload_raises_message_error():
         encode(UtilityCall("u", "c", "m", [object()]))
 
 
-def test_error_helpers():
-    err = make_error(ErrorCode.DEADLINE_EXCEEDED, "too slow: really")
-    assert err == "deadline_exceeded: too slow: really"
-    assert error_code(err) == ErrorCode.DEADLINE_EXCEEDED
-    assert error_code(None) is None
+def test_failure_carries_the_code_and_the_message_apart():
+    out = RequestOutput.failure("r", ErrorCode.INVALID_REQUEST, "prompt too long: 9000 tokens")
+    assert out.finish_reason is FinishReason.ERROR and out.error_code is ErrorCode.INVALID_REQUEST
+    assert out.error_message == "prompt too long: 9000 tokens"
+    assert out.error_text() == "invalid_request: prompt too long: 9000 tokens"
+
+
+def test_compatibility_with_error_text_callers():
+    """Callers not yet moved to error_code: `error=` text in, `.error` text out, `error_code(text)`."""
+    out = RequestOutput("r", 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died: rank 1"))
+    assert out.error_code is ErrorCode.ENGINE_FAILED and out.error_message == "worker died: rank 1"
+    assert out.finish_reason is FinishReason.ERROR
+    assert out.error == "engine_failed: worker died: rank 1" and error_code(out.error) == ErrorCode.ENGINE_FAILED
+    assert RequestOutput("r", 0, [5]).error is None and error_code(None) is None
+    assert split_error("no code here") == (ErrorCode.ENGINE_ERROR, "no code here")
+    assert decode(encode(EngineOutputs("e", [out], 1.0))).outputs[0].error == out.error
+
+
+def test_client_disconnected_is_an_error_code():
+    assert ErrorCode("client_disconnected") is ErrorCode.CLIENT_DISCONNECTED
 
 
 def _per_call_us(fn, n=2000):
@@ -140,7 +221,7 @@ def _per_call_us(fn, n=2000):
 def test_engine_outputs_64_speed(capsys):
     outs = EngineOutputs(
         "engine-0",
-        [RequestOutput(f"req-{i:06d}", 0, [1000 + i], None, None, 512, 128, None, None) for i in range(64)],
+        [RequestOutput(f"req-{i:06d}", 0, [1000 + i], None, None, 512, 128) for i in range(64)],
         time.time(),
         seq=1,
     )

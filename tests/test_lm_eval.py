@@ -13,8 +13,7 @@ import json
 
 import pytest
 import torch
-
-from tests.engine_helpers import hf_model
+from engine_helpers import hf_model
 
 pytest.importorskip("lm_eval", reason="lm_eval is a dev extra")
 

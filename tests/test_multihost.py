@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import redis
 import requests
+from stack_procs import wait_for
 
 from broker.keys import RedisKeys
 from broker.redis_conf import ServerConfig, render
 from broker.redis_server import redis_server_path
 from tests import netns
-from tests.stack_procs import wait_for
 
 _UNAVAILABLE = netns.unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from broker_fakes import FakeEngine, add, collect
 from celery import Celery
 from stack_procs import Procs, cli, wait_for
-from test_broker_client import FakeEngine, add, collect
 
 from api.batch.celery_redis import celery_redis_settings
 from broker.client import BrokerClient

@@ -75,12 +75,12 @@ def test_requests_whose_state_a_prompt_cannot_carry_are_not_resumed() -> None:
 
 
 def test_a_request_moves_at_most_max_migrations_times() -> None:
-    migrator = Migrator(SimpleNamespace(_max_migrations=2))
+    migrator = Migrator(SimpleNamespace(settings=SimpleNamespace(max_migrations=2)))
     mb = Mailbox(add=_add(temperature=0), engine_id="0", incarnation="x", n=1)
     assert migrator.blocker(mb) is None
     mb.migrations = 2
     assert "moved 2 time(s)" in migrator.blocker(mb)
-    off = Migrator(SimpleNamespace(_max_migrations=0)).blocker(Mailbox(add=_add(), engine_id="0", incarnation="x", n=1))
+    off = Migrator(SimpleNamespace(settings=SimpleNamespace(max_migrations=0))).blocker(Mailbox(add=_add(), engine_id="0", incarnation="x", n=1))
     assert off == "resuming is off (--max-migrations 0)"
 
 

@@ -4,8 +4,7 @@ Flask app over the scripted broker client; in-range values (the edges included) 
 from __future__ import annotations
 
 import pytest
-
-from tests.fake_broker import FakeClient, make_app, token_script
+from fake_broker import FakeClient, make_app, token_script
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

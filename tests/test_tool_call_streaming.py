@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_broker import FakeClient, make_app, sse_events, token_script
 from test_tool_calls import ASK, TOOLS, assemble
 
 from api.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser, PartialCall
-from tests.fake_broker import FakeClient, make_app, sse_events, token_script
 
 LONG_ARGS = '{"city": "Paris\\u00e9", "days": 3, "note": "a long note that takes many tokens to write"}'
 TIME_ARGS = '{"zone": "utc"}'

@@ -17,13 +17,13 @@ import shutil
 
 import openai
 import pytest
+from fake_broker import FakeClient, make_app, sse_events, token_script
 from openai import OpenAI
 
 from api.errors import ApiError
 from api.protocol import parse_chat_request
 from api.tokenizer import ModelTokenizer
 from api.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser, ToolCall
-from tests.fake_broker import FakeClient, make_app, sse_events, token_script
 
 KEY = "test-key"
 HERMES_TEMPLATE = """\

@@ -3,10 +3,11 @@
 Rules:
 - The request goes through the API's own handlers (`api.completions.create_completion`,
   `api.chat.create_chat_completion`) with this process's `ApiState` (its `BrokerClient`, tokenizer
-  and in-flight limiter), inside a Flask app context (for `jsonify`) but with no HTTP request: the
-  status code and JSON body are what the endpoint would send.
-- `ApiError` becomes its status and OpenAI error body, as the app's error handler does; any other
-  exception a 500 with the same message the app gives (and a log line with the traceback).
+  and in-flight limiter), called directly: no Flask, no HTTP request, no JSON round trip. Their
+  `api.answer.Answer` holds the status code and body the endpoint would send.
+- `ApiError` becomes its status and OpenAI error body (`Answer.error`), as the app's error handler
+  does; any other exception a 500 with the same message the app gives (and a log line with the
+  traceback).
 - Transient answers (429 in-flight limit, 503 no engine ready / broker unavailable / engine gone)
   are retried with backoff (0.5 s doubling to 10 s) for up to `retry_for` seconds, then returned:
   a batch outlives short outages instead of failing every item at once.
@@ -19,8 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask, Response
-
+from api.answer import Answer
 from api.batch.records import BatchRequest
 from api.chat import create_chat_completion
 from api.completions import create_completion
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 TRANSIENT = frozenset({429, 503})
 
-Handler = Callable[[ApiState, Any, Callable[[], bool]], Response]
+Handler = Callable[[ApiState, Any, Callable[[], bool]], Answer]
 _HANDLERS: dict[str, Handler] = {"/v1/completions": create_completion,
                                  "/v1/chat/completions": create_chat_completion}
 
@@ -48,8 +48,6 @@ class ItemRunner:
     def __init__(self, state: ApiState, retry_for: float = 300.0) -> None:
         self.state = state
         self.retry_for = retry_for
-        self.app = Flask("redserve.batch")
-        self.app.json.sort_keys = False
 
     def run(self, request: BatchRequest) -> tuple[int, dict[str, Any]]:
         """The endpoint's (status code, JSON body) for `request`, after retrying transient answers."""
@@ -67,15 +65,12 @@ class ItemRunner:
     def answer(self, request: BatchRequest) -> tuple[int, dict[str, Any]]:
         """One try: the endpoint's (status code, JSON body)."""
         handler = _HANDLERS[request.url]
-        with self.app.app_context():
-            try:
-                defaults = self.state.generation_defaults if self.state is not None else {}
-                body = apply_generation_defaults(request.body, defaults)
-                response = handler(self.state, body, _still_connected)
-                return response.status_code, response.get_json()
-            except ApiError as e:
-                return e.status, e.body()
-            except Exception as e:
-                logger.exception("batch item %s failed on %s", printable(request.custom_id), printable(request.url))
-                error = ApiError(500, f"internal server error ({type(e).__name__}); see the server log")
-                return error.status, error.body()
+        try:
+            defaults = self.state.generation_defaults if self.state is not None else {}
+            answer = handler(self.state, apply_generation_defaults(request.body, defaults), _still_connected)
+        except ApiError as e:
+            answer = Answer.error(e)
+        except Exception as e:
+            logger.exception("batch item %s failed on %s", printable(request.custom_id), printable(request.url))
+            answer = Answer.error(ApiError(500, f"internal server error ({type(e).__name__}); see the server log"))
+        return answer.status, answer.body

@@ -1,0 +1,62 @@
+"""BrokerClient when Redis restarts or goes away (a Redis of the test's own, `EmbeddedRedis`), with a fake
+engine (tests/broker_fakes.py): requests end instead of hanging, and the client recovers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from broker_fakes import FakeEngine, add, collect
+from stack_procs import poll
+
+from broker.client import BrokerClient
+from broker.errors import BrokerUnavailable
+from broker.messages import error_code
+from broker.redis_server import EmbeddedRedis
+
+
+def test_redis_restart_mid_stream(redis_keys):
+    with EmbeddedRedis() as server:
+        engine = FakeEngine(server.url, redis_keys, "e0", ttl=1.0).start()
+        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=5)
+        try:
+            assert client.wait_subscribed(5)
+            assert [o.new_token_ids[0] for o in collect(client.submit(add(max_tokens=2)))] == [1001, 1002]
+
+            stuck = client.submit(add(first_token=2, max_tokens=100, stall_after=1, deadline_in=20))
+            assert stuck.get(timeout=5).new_token_ids == [2001]
+            start = time.monotonic()
+            server.restart()
+            last = stuck.get(timeout=10)
+            assert error_code(last.error) == "broker_disconnected" and stuck.finished
+            assert time.monotonic() - start < 5  # ended on the disconnect, not on its 20 s deadline
+
+            # Reconnected: the engine restored its registration and group, the client resubscribed.
+            assert client.wait_subscribed(5)
+            poll(lambda: len(client.ready_engines()) == 1, 10, "the engine READY again")
+            outs = collect(client.submit(add(first_token=3, max_tokens=3)), timeout=10)
+            assert [o.new_token_ids[0] for o in outs] == [3001, 3002, 3003]
+            poll(lambda: stuck.request_id in engine.aborts, 5, "the deferred ABORT")
+        finally:
+            client.stop()
+            engine.stop()
+
+
+def test_redis_down_fails_fast_and_nothing_hangs(redis_keys):
+    with EmbeddedRedis() as server:
+        engine = FakeEngine(server.url, redis_keys, "e0", ttl=1.0).start()
+        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=0.5,
+                              replace_wait=1.0)
+        try:
+            assert client.wait_subscribed(5)
+            # no output yet: it waits for Redis to come back (to be sent again), but no longer than replace_wait
+            stuck = client.submit(add(max_tokens=100, stall_after=0, deadline_in=30))
+            server.stop()
+            assert error_code(stuck.get(timeout=5).error) == "broker_disconnected"
+            start = time.monotonic()
+            with pytest.raises(BrokerUnavailable):
+                client.submit(add())
+            assert time.monotonic() - start < 5
+        finally:
+            client.stop()
+            engine.stop()
