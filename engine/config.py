@@ -45,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,12 +69,19 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kv_cache_memory is None and self.device == "cpu":
             self.kv_cache_memory = int(os.environ.get("REDSERVE_CPU_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES))
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes of one engine: TP x PP (1 runs the model in the engine's own process)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def dtype_choice(self, config_dtype: torch.dtype | str | None) -> DtypeChoice:
         """The dtype to run in and why (the rule: ``engine.dtype_choice``); ``config_dtype`` is the

@@ -4,12 +4,19 @@
 schedule -> execute -> update cycle and returns one ``RequestOutput`` (the broker's wire type, so the
 engine process sends it as is) per sequence that produced a token or finished. A request with n > 1 runs as n child sequences; the first computes the prompt
 and the others start once its full blocks are in the prefix cache, so they share them.
+
+Batch queue (pipeline parallelism): the executor may take up to ``max_in_flight`` steps at once (one per
+pipeline stage). While there is room, ``step()`` schedules a new batch from the requests not already in
+flight and submits it, returning nothing yet; once the queue is full (or nothing new can be scheduled) it
+waits for the oldest batch and applies its output. With one stage this is exactly schedule -> execute ->
+update.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from broker.messages import RequestOutput
@@ -52,10 +59,11 @@ class EngineCore:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill),
+                            config.enable_chunked_prefill, self.executor.max_in_flight),
             self.block_manager, self.executor.eos_token_ids)
         self.children: dict[str, list[str]] = {}
         self.held_siblings: dict[str, list[Request]] = {}
+        self.in_flight: deque[SchedulerOutput] = deque()
         self.steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -141,15 +149,24 @@ class EngineCore:
         return [self._output(req, [], None) for req in aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.children)
+        return bool(self.children) or bool(self.in_flight)
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched.is_empty and not sched.finished_req_ids:
+        """Submit a new batch when the executor has room; apply the oldest batch's output once it is full or
+        nothing new was scheduled (see the module docstring). May return nothing while work remains."""
+        if len(self.in_flight) < self.executor.max_in_flight:
+            sched = self.scheduler.schedule()
+            if not sched.is_empty or sched.finished_req_ids:
+                self.metrics.on_scheduled(sched.num_scheduled_tokens)
+                sched.grammar_bitmasks = self.structured.bitmasks(self._constrained_rows(sched))
+                self.executor.submit_step(sched)
+                self.in_flight.append(sched)
+                if not sched.is_empty and len(self.in_flight) < self.executor.max_in_flight:
+                    return []
+        if not self.in_flight:
             return []
-        self.metrics.on_scheduled(sched.num_scheduled_tokens)
-        sched.grammar_bitmasks = self.structured.bitmasks(self._constrained_rows(sched))
-        result = self.executor.execute_model(sched)
+        sched = self.in_flight.popleft()
+        result = self.executor.collect_step()
         self.steps += 1
         updates = self.scheduler.update_from_output(sched, result)
         outputs = []

@@ -48,8 +48,9 @@ class LLM:
     """
 
     def __init__(self, model: str, dtype: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
-                 **engine_kwargs):
+                 pipeline_parallel_size: int = 1, **engine_kwargs):
         self.config = EngineConfig(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                   pipeline_parallel_size=pipeline_parallel_size,
                                    seed=seed, **engine_kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)  # a GGUF's converted dir
         self.engine = EngineCore(self.config)

@@ -5,6 +5,12 @@ Each step gives every running request its next tokens (one for a decode, a chunk
 allow. When a running request cannot get a block, the latest-admitted running request is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed (its prefix-cached
 blocks usually make that cheap). No waiting request is admitted in a step that preempted.
+
+Steps in flight (pipeline parallelism keeps one per stage): a request scheduled in a step is in flight
+until ``update_from_output`` of that step; ``schedule`` skips it (its next tokens depend on that step) and
+never picks it as a preemption victim (its blocks are being written). With P > 1 batches in flight a batch
+takes at most ceil(min(running + waiting, max_num_seqs) / P) requests, so the requests split into P
+batches that take turns through the pipeline instead of one batch that leaves the other stages idle.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    max_batches_in_flight: int = 1  # the pipeline's stages: each batch takes about 1/P of the requests
 
 
 @dataclass
@@ -52,6 +59,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_req_ids: list[str] = []
         self._known_to_runner: set[str] = set()
+        self._in_flight: dict[str, Request] = {}
         self.num_preemptions = 0
 
     @property
@@ -85,13 +93,18 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         budget = self.config.max_num_batched_tokens
+        max_seqs = self._batch_seq_limit()
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < max_seqs:
             request = self.running[i]
+            if request.request_id in self._in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._preemption_victim()
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -101,11 +114,26 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if not preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, max_seqs)
+        for req_id in out.num_scheduled_tokens:
+            self._in_flight[req_id] = self.requests[req_id]
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _batch_seq_limit(self) -> int:
+        """The most requests one batch may take (see the module docstring)."""
+        depth = self.config.max_batches_in_flight
+        if depth == 1:
+            return self.config.max_num_seqs
+        wanted = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, -(-wanted // depth))
+
+    def _preemption_victim(self) -> Request:
+        """The latest-admitted running request not in flight (the one being scheduled is never in flight)."""
+        return next(r for r in reversed(self.running) if r.request_id not in self._in_flight)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> int:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(out.num_scheduled_tokens) < max_seqs):
             request = self.waiting[0]
             computed = self._cached_prefix(request)
             num_computed = request.num_computed_tokens + len(computed) * self.block_manager.block_size
@@ -170,7 +198,7 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, apply stop rules, free finished requests."""
         updates = []
         for req_id, num_new in sched.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
+            request = self._in_flight.pop(req_id, None) or self.requests.get(req_id)
             if request is None or request.status.finished:
                 continue
             request.num_computed_tokens += num_new

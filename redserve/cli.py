@@ -29,6 +29,8 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=env("REDSERVE_TENSOR_PARALLEL_SIZE", 1))
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=env("REDSERVE_PIPELINE_PARALLEL_SIZE", 1),
+                   help="pipeline stages, each a slice of the layers on its own TP group of workers")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -46,7 +48,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed)
+        pipeline_parallel_size=args.pipeline_parallel_size, seed=args.seed)
 
 
 def resolve_model(args: argparse.Namespace) -> None:

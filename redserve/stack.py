@@ -55,7 +55,8 @@ from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supe
 logger = logging.getLogger("redserve.stack")
 
 _ENGINE_FLAGS = ["dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "kv_cache_memory", "gpu_memory_utilization", "tensor_parallel_size", "seed"]
+                 "kv_cache_memory", "gpu_memory_utilization", "tensor_parallel_size",
+                 "pipeline_parallel_size", "seed"]
 _ENGINE_SWITCHES = ["no_prefix_caching", "no_chunked_prefill"]
 STOP_TIMEOUTS = {"api": 20.0, "batch": 20.0, "coordinator": 5.0}
 ENGINE_DRAIN_TIMEOUT = 30.0  # `redserve engine --drain-timeout` default
@@ -243,7 +244,8 @@ def _engine_device_envs(args: argparse.Namespace) -> list[dict[str, str]]:
     """Each DP engine's GPUs (`redserve.devices`); none when the engines run on the CPU."""
     if getattr(args, "device", "auto") == "cpu":
         return [{} for _ in range(args.data_parallel_size)]
-    return [engine_device_env(rank, args.tensor_parallel_size) for rank in range(args.data_parallel_size)]
+    per_engine = args.tensor_parallel_size * args.pipeline_parallel_size
+    return [engine_device_env(rank, per_engine) for rank in range(args.data_parallel_size)]
 
 
 def run_stack(args: argparse.Namespace) -> int:

@@ -308,3 +308,32 @@ def test_prefix_hit_sets_computed_and_cached_tokens() -> None:
     assert out.new_requests[0].num_computed_tokens == 8
     assert out.num_scheduled_tokens == {"b": 3}
     assert s.block_manager.prefix_hits == 8
+
+
+def test_in_flight_requests_are_neither_rescheduled_nor_preempted() -> None:
+    s = make_scheduler()
+    a, b = make_request("a", 6), make_request("b", 6, start=200)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"a": 6, "b": 6}
+    assert s.schedule().is_empty  # both in flight: their next tokens depend on that step's output
+    s.update_from_output(first, ModelRunnerOutput({"a": SampledToken(FILLER), "b": SampledToken(FILLER)}))
+    assert s.schedule().num_scheduled_tokens == {"a": 1, "b": 1}
+
+    s, a, b = _preemption_setup()
+    s._in_flight["b"] = b  # b's step is running (its blocks are being written): a, short of a block, gives way
+    assert s.schedule().is_empty
+    assert a.status == RequestStatus.PREEMPTED and b.status == RequestStatus.RUNNING and b.block_ids
+
+
+def test_batches_in_flight_split_the_requests_between_them() -> None:
+    s = Scheduler(SchedulerConfig(8, 64, 256, True, max_batches_in_flight=2), BlockManager(64, BS, True), [EOS])
+    for i in range(5):
+        s.add_request(make_request(f"r{i}", 4, start=100 + 10 * i))
+    first, second = s.schedule(), s.schedule()
+    assert list(first.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    assert list(second.num_scheduled_tokens) == ["r3", "r4"]
+    assert s.schedule().is_empty
+    s.update_from_output(first, ModelRunnerOutput({r: SampledToken(FILLER) for r in first.num_scheduled_tokens}))
+    assert list(s.schedule().num_scheduled_tokens) == ["r0", "r1", "r2"]

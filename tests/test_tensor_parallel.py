@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 from engine_helpers import requires_devices
+from parallel_helpers import child_pids, cmdline, shm_segments, submit, wait_engine_ready, wait_gone
 
 from broker.client import BrokerClient
-from broker.messages import AddRequest
 from broker.sampling_params import SamplingParams
 from engine import LLM
 from worker.multiproc_executor import WorkerDied
@@ -22,38 +22,6 @@ pytestmark = requires_devices(2)
 
 PROMPTS = [[5, 17, 99, 4, 250, 31], list(range(40, 140)), [7], list(range(300, 333))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def _shm_segments(pid: int) -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if f"_{pid}_" in name]
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
-        time.sleep(0.1)
-    return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline") as f:
-        return f.read()
-
-
-def _child_pids(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +67,8 @@ def test_killed_worker_fails_the_step_fast_and_leaves_nothing(tiny_llama_dir):
             llm.engine.step()
     assert time.monotonic() - started < 10
     llm.shutdown()
-    assert _wait_gone(worker_pids, 10) == []
-    assert _shm_segments(os.getpid()) == []
+    assert wait_gone(worker_pids, 10) == []
+    assert shm_segments(os.getpid()) == []
 
 
 def _start_engine(model: str, redis_url: str, prefix: str, tp: int) -> subprocess.Popen:
@@ -110,38 +78,26 @@ def _start_engine(model: str, redis_url: str, prefix: str, tp: int) -> subproces
         stdin=subprocess.DEVNULL)
 
 
-def _wait_ready(client: BrokerClient, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not client.ready_engines():
-        assert proc.poll() is None, f"engine exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "engine not ready in time"
-        time.sleep(0.2)
-
-
-def _submit(client: BrokerClient, request_id: str, prompt: list[int], params: SamplingParams):
-    return client.submit(AddRequest(request_id, "", prompt, params.to_dict(), time.time(), time.time() + 120))
-
-
 def test_served_tp2_matches_and_worker_death_ends_requests(tiny_llama_dir, redis_url, redis_keys, tp1_tokens):
     proc = _start_engine(tiny_llama_dir, redis_url, redis_keys.prefix, tp=2)
     # The error path is under test: no migration (tests/test_stream_resume.py resumes such requests), and a
     # request that had no output yet waits only briefly for another engine to be re-placed on (there is none).
     client = BrokerClient(redis_url, keys=redis_keys, max_migrations=0, replace_wait=3).start()
     try:
-        _wait_ready(client, proc)
+        wait_engine_ready(client, proc)
         for i, (prompt, expected) in enumerate(zip(PROMPTS, tp1_tokens, strict=True)):
             tokens = []
-            with _submit(client, f"g{i}", prompt, GREEDY) as handle:
+            with submit(client, f"g{i}", prompt, GREEDY) as handle:
                 for out in handle:
                     assert out.error is None
                     tokens += out.new_token_ids
             assert tokens == expected
 
-        workers = _child_pids(proc.pid)
+        workers = child_pids(proc.pid)
         long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
-        handles = [_submit(client, f"long{i}", PROMPTS[i], long) for i in range(2)]
+        handles = [submit(client, f"long{i}", PROMPTS[i], long) for i in range(2)]
         assert handles[0].get(timeout=60) is not None
-        spawned = [p for p in workers if "redserve-worker" in _cmdline(p) or "spawn" in _cmdline(p)]
+        spawned = [p for p in workers if "redserve-worker" in cmdline(p) or "spawn" in cmdline(p)]
         assert spawned, f"no worker among children {workers}"
         os.kill(spawned[-1], signal.SIGKILL)
         started = time.monotonic()
@@ -152,8 +108,8 @@ def test_served_tp2_matches_and_worker_death_ends_requests(tiny_llama_dir, redis
             assert last is not None and last.finish_reason == "error"
         assert time.monotonic() - started < 30
         assert proc.wait(timeout=30) != 0
-        assert _wait_gone(workers, 15) == []
-        assert _shm_segments(proc.pid) == []
+        assert wait_gone(workers, 15) == []
+        assert shm_segments(proc.pid) == []
     finally:
         client.stop()
         if proc.poll() is None:
@@ -165,15 +121,15 @@ def test_killed_engine_takes_its_workers_and_segments(tiny_llama_dir, redis_url,
     proc = _start_engine(tiny_llama_dir, redis_url, redis_keys.prefix, tp=2)
     client = BrokerClient(redis_url, keys=redis_keys).start()
     try:
-        _wait_ready(client, proc)
-        children = _child_pids(proc.pid)
+        wait_engine_ready(client, proc)
+        children = child_pids(proc.pid)
         assert children
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert _wait_gone(children, 15) == []
+        assert wait_gone(children, 15) == []
         deadline = time.monotonic() + 10
-        while _shm_segments(proc.pid) and time.monotonic() < deadline:
+        while shm_segments(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _shm_segments(proc.pid) == []
+        assert shm_segments(proc.pid) == []
     finally:
         client.stop()

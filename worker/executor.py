@@ -1,12 +1,17 @@
 """Executors: the engine's one interface to its model runner(s).
 
-``UniprocExecutor`` (TP = 1) runs the model runner in the engine's own process: no IPC at all.
-``MultiprocExecutor`` (TP > 1, in ``worker.multiproc_executor``) broadcasts each step to worker
+``UniprocExecutor`` (TP = PP = 1) runs the model runner in the engine's own process: no IPC at all.
+``MultiprocExecutor`` (TP x PP > 1, in ``worker.multiproc_executor``) broadcasts each step to worker
 processes over shared memory; both expose the same methods.
+
+Steps run either at once (``execute_model``) or as ``submit_step`` now, ``collect_step`` later, in order:
+the engine keeps up to ``max_in_flight`` steps submitted (the number of pipeline stages) so every stage
+has work.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +27,13 @@ class Executor(Protocol):
     max_model_len: int
     eos_token_ids: list[int]
     vocab_size: int
+    max_in_flight: int
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit_step(self, sched: SchedulerOutput) -> None: ...
+
+    def collect_step(self) -> ModelRunnerOutput: ...
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]: ...
 
@@ -31,6 +41,8 @@ class Executor(Protocol):
 
 
 class UniprocExecutor:
+    max_in_flight = 1
+
     def __init__(self, config: EngineConfig):
         init_tensor_parallel(0, 1, "", torch.device(config.device))
         self.runner = ModelRunner(config)
@@ -39,9 +51,16 @@ class UniprocExecutor:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self.runner.eos_token_ids
         self.vocab_size = self.runner.hf_config.vocab_size
+        self._done: deque[ModelRunnerOutput] = deque()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def submit_step(self, sched: SchedulerOutput) -> None:
+        self._done.append(self.runner.execute_model(sched))
+
+    def collect_step(self) -> ModelRunnerOutput:
+        return self._done.popleft()
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
         return [getattr(self.runner, method)(*args)]
@@ -51,9 +70,9 @@ class UniprocExecutor:
 
 
 def make_executor(config: EngineConfig, dp_rank: int = 0) -> Executor:
-    """``dp_rank`` names the TP workers and their queues (``redserve-worker-<dp_rank>-<tp_rank>``), so the
+    """``dp_rank`` names the workers and their queues (``worker.multiproc_executor.worker_title``), so the
     engines of one host stay apart."""
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return UniprocExecutor(config)
     from worker.multiproc_executor import MultiprocExecutor
     return MultiprocExecutor(config, dp_rank=dp_rank)

@@ -1,5 +1,6 @@
 """Load a Hugging Face model directory from disk: config (AutoConfig), weights (safetensors, sharded
-or not). Each TP rank reads only its own shard of every tensor."""
+or not). Each TP rank reads only its own shard of every tensor, and each pipeline stage only the tensors
+of the modules it holds (``worker.pipeline``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig, GenerationConfig
 
 from worker.models.registry import ARCHITECTURES
+from worker.pipeline import MissingLayer
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +70,29 @@ def build_model(model_dir: str, config, dtype: torch.dtype, device: torch.device
     arch = next(a for a in config.architectures if a in ARCHITECTURES)
     with torch.device(device):
         model = ARCHITECTURES[arch](config, dtype, device, max_positions)
-    loaded = load_weights(model, weight_files(model_dir))
-    if "lm_head.weight" not in loaded:
-        model.lm_head.weight = model.embed_tokens.weight
+    files = weight_files(model_dir)
+    loaded = load_weights(model, files)
+    if "lm_head.weight" not in loaded and not isinstance(model.lm_head, MissingLayer):  # tied embeddings
+        if isinstance(model.embed_tokens, MissingLayer):  # a later pipeline stage: read the rows itself
+            _load_tied_head(model.lm_head, files, model_dir)
+        else:
+            model.lm_head.weight = model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}")
     return model.eval()
+
+
+def _load_tied_head(lm_head: nn.Module, files: list[Path], model_dir: str) -> None:
+    """Load the embedding matrix into the LM head of a last pipeline stage that holds no embedding."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name.removeprefix("model.") == "embed_tokens.weight":
+                    lm_head.load_shard(lm_head.weight, f.get_slice(name))
+                    return
+    raise ModelLoadError(f"checkpoint in {model_dir} has neither lm_head.weight nor embed_tokens.weight")
 
 
 def load_weights(model: nn.Module, files: list[Path]) -> set[str]:

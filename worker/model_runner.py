@@ -1,5 +1,11 @@
 """Runs the model for one scheduler step on one rank: builds inputs, runs the forward pass over the
-paged KV cache, samples. Owns the weights and the KV cache of its rank."""
+paged KV cache, samples. Owns the weights and the KV cache of its rank.
+
+Under pipeline parallelism a runner holds one stage: the KV cache of its layers only, the hidden stream
+in from the previous stage and out to the next (``worker.pipeline.StageLink``); only the last stage
+samples. The other stages never see sampled tokens, so each step brings them the tokens sampled for its
+requests since they were last scheduled (``new_token_ids``, kept by the executor).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budge
 from worker.input_batch import InputBatch, PromptLogprobRows
 from worker.kernels import available_extensions, load_extension
 from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
-from worker.parallel_state import tp_group
+from worker.parallel_state import pp_group, tp_group
+from worker.pipeline import StageLink
 from worker.sampler import Sampler, prompt_logprob_entries
 
 logger = logging.getLogger(__name__)
@@ -29,7 +36,7 @@ class ModelRunner:
         choice = config.dtype_choice(getattr(self.hf_config, "dtype", None)
                                      or getattr(self.hf_config, "torch_dtype", None))
         self.dtype = choice.dtype
-        if tp_group().rank == 0:  # one line per engine, not per TP rank
+        if tp_group().rank == 0 and pp_group().is_first:  # one line per engine, not per rank
             logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), choice.reason)
             if choice.warning:
                 logger.warning(choice.warning)
@@ -49,6 +56,8 @@ class ModelRunner:
         if self.device.type == "cpu":  # build (or find in the cache) the C++ kernels now, before READY
             for name in available_extensions():
                 load_extension(name)
+        self.num_layers = len(self.model.layer_range)  # this stage's
+        self.link = StageLink(hf.hidden_size, self.dtype, self.device) if pp_group().size > 1 else None
         self.kv_caches: list[torch.Tensor] = []
         self.memory: DeviceMemory | None = device_memory_for(self.device)
 
@@ -61,7 +70,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        layers = self.hf_config.num_hidden_layers
+        layers = self.num_layers
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * layers * self.config.block_size * self.num_kv_heads * self.head_dim * elem
 
@@ -111,15 +120,23 @@ class ModelRunner:
         self.kv_caches = []
         shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.hf_config.num_hidden_layers)]
+                          for _ in range(self.num_layers)]
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput,
+                      new_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """One step. ``new_token_ids``: tokens sampled (by the last pipeline stage) for requests of this
+        step since this stage last saw them; the last stage sampled them itself and ignores them."""
         self.input_batch.update(sched)
+        if new_token_ids and not pp_group().is_last:
+            for req_id, tokens in new_token_ids.items():
+                self.input_batch.requests[req_id].token_ids.extend(tokens)
         if sched.is_empty:
             return ModelRunnerOutput()
         inputs = self.input_batch.prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
+        if hidden is None:
+            return ModelRunnerOutput()
         for rows in inputs.prompt_rows:
             self._accumulate_prompt_logprobs(hidden, rows)
         if not inputs.sampled_states:
@@ -135,6 +152,19 @@ class ModelRunner:
                 token.prompt_logprobs = state.prompt_logprobs or []
                 state.prompt_logprobs, state.prompt_logprobs_sent = None, True
         return ModelRunnerOutput({s.req_id: t for s, t in zip(inputs.sampled_states, tokens, strict=True)})
+
+    def _forward(self, inputs) -> torch.Tensor | None:
+        """This stage's layers; the final hidden stream on the last stage, None on the others (their
+        output went to the next stage)."""
+        if self.link is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        pp = pp_group()
+        intermediate = None if pp.is_first else self.link.receive(inputs.input_ids.shape[0])
+        out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, intermediate)
+        if pp.is_last:
+            return out
+        self.link.send(*out)
+        return None
 
     def _accumulate_prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> None:
         """Logits over this chunk's prompt positions (only for requests that asked), kept until the

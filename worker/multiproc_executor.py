@@ -1,4 +1,4 @@
-"""MultiprocExecutor: TP > 1. One spawned worker process per rank, driven over shared memory.
+"""MultiprocExecutor: TP x PP > 1. One spawned worker process per rank, driven over shared memory.
 
 The engine owns every segment: one broadcast queue (engine writes, every rank reads) and one
 response queue per rank (the rank writes, the engine reads), so a killed worker leaves nothing in
@@ -7,7 +7,15 @@ response queue per rank (the rank writes, the engine reads), so a killed worker 
 TP setup listens on a network port. Each worker gets a ready pipe (READY or the startup error) and a
 death pipe (EOF when the engine goes away). A monitor thread waits on the workers' process sentinels: when one dies, pending
 and later calls raise ``WorkerDied`` at once and the engine fails its requests and exits non-zero.
-``execute_model`` broadcasts one scheduler output per step and reads one reply, from rank 0.
+``execute_model`` broadcasts one scheduler output per step and reads one reply, from the output rank:
+the first TP rank of the last pipeline stage (rank 0 without PP).
+
+Pipeline parallelism: ranks are ``stage * TP + tp_rank``; process titles ``redserve-worker-<dp>-<tp rank>``
+without PP (as before) and ``redserve-worker-<dp>-<stage>-<tp rank>`` with it. ``submit_step`` broadcasts a
+step without waiting and ``collect_step`` reads the oldest step's reply (replies come in step order), so the
+engine can keep one step per stage in flight. Only the last stage samples: the executor keeps each
+request's sampled tokens until the request is next scheduled and sends them with that step, so the other
+stages' runners hold the same token ids.
 """
 
 from __future__ import annotations
@@ -36,17 +44,29 @@ from worker.worker_proc import SHUTDOWN, worker_main
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_RANK = 0
+OUTPUT_RANK = 0  # without pipeline parallelism
 
 
 class WorkerDied(RuntimeError):
     """A TP worker process exited; the engine cannot continue."""
 
 
+def worker_title(dp_rank: int, rank: int, tp_size: int, pp_size: int) -> str:
+    """The worker's process title (see the module docstring)."""
+    if pp_size == 1:
+        return f"redserve-worker-{dp_rank}-{rank}"
+    stage, tp_rank = divmod(rank, tp_size)
+    return f"redserve-worker-{dp_rank}-{stage}-{tp_rank}"
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, dp_rank: int = 0):
         self.config = config
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
+        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.max_in_flight = config.pipeline_parallel_size
+        self._in_flight = 0
+        self._unsent_tokens: dict[str, list[int]] | None = {} if config.pipeline_parallel_size > 1 else None
         self.failure: str | None = None
         self._closed = False
         tag = f"e{dp_rank}"
@@ -61,9 +81,10 @@ class MultiprocExecutor:
         for rank in range(self.world_size):
             ready_reader, ready_writer = ctx.Pipe(duplex=False)
             death_reader, death_writer = ctx.Pipe(duplex=False)
+            title = worker_title(dp_rank, rank, config.tensor_parallel_size, config.pipeline_parallel_size)
             proc = ctx.Process(
-                target=worker_main, name=f"redserve-worker-{dp_rank}-{rank}", daemon=True,
-                args=(dataclasses.asdict(config), rank, f"redserve-worker-{dp_rank}-{rank}", store_path,
+                target=worker_main, name=title, daemon=True,
+                args=(dataclasses.asdict(config), rank, title, store_path,
                       self.broadcast.handle(), self.responses[rank].handle(), ready_writer, death_reader))
             proc.start()
             ready_writer.close()
@@ -80,7 +101,7 @@ class MultiprocExecutor:
         blocks = self.collective_rpc("determine_num_kv_blocks")
         self.num_kv_blocks = min(blocks)
         self.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
-        info = self.collective_rpc("info", unique_reply_rank=OUTPUT_RANK)[0]
+        info = self.collective_rpc("info", unique_reply_rank=self.output_rank)[0]
         self.max_model_len = info["max_model_len"]
         self.eos_token_ids = info["eos_token_ids"]
         self.vocab_size = info["vocab_size"]
@@ -120,6 +141,8 @@ class MultiprocExecutor:
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = 300.0,
                        unique_reply_rank: int | None = None) -> list[Any]:
         """Run ``method(*args)`` on every rank's model runner; replies from all ranks, or only one."""
+        if self._in_flight:
+            raise RuntimeError(f"collective_rpc({method}) while {self._in_flight} steps are in flight")
         self._send([method, list(args), unique_reply_rank])
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         results = []
@@ -131,9 +154,39 @@ class MultiprocExecutor:
         return results
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._send(["execute_model", [scheduler_output_to_wire(sched)], OUTPUT_RANK])
-        _, value = self._receive(OUTPUT_RANK, timeout=None)
-        return runner_output_from_wire(value)
+        """Run one step and wait for it (no other step may be in flight)."""
+        if self._in_flight:
+            raise RuntimeError(f"execute_model while {self._in_flight} steps are in flight")
+        self.submit_step(sched)
+        return self.collect_step()
+
+    def submit_step(self, sched: SchedulerOutput) -> None:
+        """Broadcast one step without waiting for it; ``collect_step`` returns its output, in order."""
+        self._send(["execute_model", [scheduler_output_to_wire(sched), self._tokens_for(sched)], self.output_rank])
+        self._in_flight += 1
+
+    def collect_step(self) -> ModelRunnerOutput:
+        """The output of the oldest step in flight (blocks until it is done)."""
+        if not self._in_flight:
+            raise RuntimeError("collect_step with no step in flight")
+        _, value = self._receive(self.output_rank, timeout=None)
+        self._in_flight -= 1
+        out = runner_output_from_wire(value)
+        if self._unsent_tokens is not None:
+            for req_id, token in out.sampled.items():
+                self._unsent_tokens.setdefault(req_id, []).append(token.token_id)
+        return out
+
+    def _tokens_for(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """The sampled tokens the non-last stages have not seen, for this step's requests (PP only)."""
+        unsent = self._unsent_tokens
+        if not unsent:
+            return {}
+        for req_id in sched.finished_req_ids:
+            unsent.pop(req_id, None)
+        for new in sched.new_requests:  # sent in full
+            unsent.pop(new.req_id, None)
+        return {req_id: unsent.pop(req_id) for req_id in sched.num_scheduled_tokens if req_id in unsent}
 
     def _send(self, message: list) -> None:
         if self.failure:

@@ -1,7 +1,9 @@
-"""A tensor-parallel worker process: one rank of an engine's model.
+"""A tensor- or pipeline-parallel worker process: one rank of an engine's model (``rank = stage * TP +
+tp_rank``; see ``worker.parallel_state``).
 
-Startup: join the TP group (gloo on CPU, NCCL on CUDA; rendezvous through the engine's file store), build the model runner (loading only this
-rank's shards), attach to the engine's broadcast queue as reader ``rank`` and to its own response
+Startup: join the TP group of its stage and the pipeline group (gloo on CPU, NCCL on CUDA; rendezvous
+through the engine's file store), build the model runner (loading only this rank's shards of its stage's
+modules), attach to the engine's broadcast queue as reader ``rank`` and to its own response
 queue as writer, then report READY over the ready pipe. Then loop: dequeue one call, run it, reply
 when asked. The death pipe's EOF means the engine is gone: the worker exits at once.
 Any error while running a step is fatal to the worker (the engine's monitor sees it exit).
@@ -24,7 +26,7 @@ from common.proctitle import set_title
 from engine.config import EngineConfig
 from engine.step_types import runner_output_to_wire, scheduler_output_from_wire
 from worker.model_runner import ModelRunner
-from worker.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from worker.parallel_state import destroy_tensor_parallel, init_model_parallel
 from worker.shm_queue import MessageQueue, QueueClosed, QueueHandle
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, 
         device = torch.device(engine_config.device)
         if device.type == "cuda":
             if rank >= torch.cuda.device_count():
-                raise RuntimeError(f"TP rank {rank} needs cuda:{rank} but {torch.cuda.device_count()} CUDA devices "
+                raise RuntimeError(f"worker rank {rank} needs cuda:{rank} but {torch.cuda.device_count()} CUDA devices "
                                    f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
             torch.cuda.set_device(rank)
             engine_config.device = f"cuda:{rank}"
@@ -65,8 +67,9 @@ def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, 
         else:
             # The engine's share of the cores (the stack sets OMP_NUM_THREADS per DP engine), split over its ranks.
             cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // engine_config.tensor_parallel_size))
-        init_tensor_parallel(rank, engine_config.tensor_parallel_size, store_path, device)
+            torch.set_num_threads(max(1, cores // engine_config.world_size))
+        init_model_parallel(rank, engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size,
+                            store_path, device)
         runner = ModelRunner(engine_config)
         inbox = MessageQueue.attach(broadcast, rank)
         outbox = MessageQueue.attach_writer(response)
@@ -93,7 +96,8 @@ def _serve(runner: ModelRunner, inbox: MessageQueue, outbox: MessageQueue, rank:
         if method == SHUTDOWN:
             return
         if method == "execute_model":
-            result = runner_output_to_wire(runner.execute_model(scheduler_output_from_wire(args[0])))
+            sched, new_token_ids = scheduler_output_from_wire(args[0]), args[1]
+            result = runner_output_to_wire(runner.execute_model(sched, new_token_ids))
             if reply_rank == rank:
                 outbox.enqueue(["ok", result])
             continue

@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from worker.layers.activation import gelu_tanh_and_mul
-from worker.layers.attention import AttentionMetadata
-from worker.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.norm import GemmaRMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
@@ -56,12 +54,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.config = config
         rotaries = self._rotaries(config, dtype, device, max_positions)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, dtype, rotaries[layer_types[i]], i)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.build_stage(config, dtype, lambda i: GemmaDecoderLayer(config, dtype, rotaries[layer_types[i]], i),
+                         lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device="cpu").item()
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
@@ -76,9 +71,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         shared = RotaryEmbedding(config, head_dim, max_positions, device, dtype)
         return {"full_attention": shared, "sliding_attention": shared}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.run_layers(positions, self.embed_tokens(input_ids) * self.embed_scale, kv_caches, meta)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, optional QKV bias,
 optional tied embeddings, per-layer sliding windows, over a paged KV cache. Weight names follow the
-Hugging Face checkpoints. Qwen3, Gemma 2/3 and Phi-3 subclass these pieces.
+Hugging Face checkpoints. Qwen3, Gemma 2/3 and Phi-3 subclass these pieces. Under pipeline parallelism a
+model holds only its stage's modules (``worker.pipeline``).
 
 Rules:
 - A layer's sliding window comes from ``config.layer_types`` when the config has it (Qwen2/3, Gemma),
@@ -22,7 +23,8 @@ from worker.layers.linear import (
 )
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
-from worker.parallel_state import tp_group
+from worker.parallel_state import pp_group, tp_group
+from worker.pipeline import MissingLayer, local_layers
 
 
 def head_dim_of(config) -> int:
@@ -133,23 +135,35 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, device, dtype)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(self.layer_cls(config, dtype, rotary, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.build_stage(config, dtype, lambda i: self.layer_cls(config, dtype, rotary, i),
+                         lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+
+    def build_stage(self, config, dtype: torch.dtype, make_layer, make_norm) -> None:
+        """The modules this pipeline stage holds (``worker.pipeline``); the others are ``MissingLayer``s."""
+        pp = pp_group()
+        self.layer_range = local_layers(config.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if pp.is_first
+                             else MissingLayer())
+        self.layers = nn.ModuleList(make_layer(i) if i in self.layer_range else MissingLayer()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = make_norm() if pp.is_last else MissingLayer()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if pp.is_last else MissingLayer()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.run_layers(positions, self.embed_tokens(input_ids), kv_caches, meta)
-
-    def run_layers(self, positions: torch.Tensor, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                   meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder stack; returns the final hidden stream before the last norm (``compute_logits``
-        applies it to the rows it needs)."""
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+                meta: AttentionMetadata, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """This stage's layers. The first stage embeds ``input_ids``; later stages continue from the
+        previous stage's ``intermediate`` (hidden, residual). The last stage returns the final hidden stream
+        before the last norm (``compute_logits`` applies it to the rows it needs); the others return
+        (hidden, residual) for the next stage."""
+        hidden, residual = (self.embed(input_ids), None) if intermediate is None else intermediate
+        for i, kv_cache in zip(self.layer_range, kv_caches, strict=True):
+            hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, meta)
+        if not pp_group().is_last:
+            return hidden, residual
         return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
