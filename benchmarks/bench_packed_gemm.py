@@ -7,26 +7,20 @@ Prints one line per (shape, rows): best of ``--repeat`` runs, both paths back to
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from worker.layers.packed_gemm import pack_for_gemm, packed_linear
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.bench_paged_attention import best_ms  # noqa: E402
+from worker.layers.packed_gemm import pack_for_gemm, packed_linear  # noqa: E402
 
 SHAPES = {"tiny lm head": (512, 8192), "smollm2 lm head": (576, 49152), "tiny gate_up": (512, 2816),
           "tiny down": (1408, 512), "smollm2 gate_up": (576, 3072), "smollm2 down": (1536, 576)}
-
-
-def best_us(fn, iters: int, repeat: int, clock) -> float:
-    fn()
-    runs = []
-    for _ in range(repeat):
-        started = clock()
-        for _ in range(iters):
-            fn()
-        runs.append((clock() - started) / iters * 1e6)
-    return min(runs)
 
 
 def main() -> None:
@@ -52,8 +46,8 @@ def main() -> None:
                 continue
             for rows in map(int, args.rows.split(",")):
                 x = torch.randn(rows, k).to(dtype)
-                plain = best_us(lambda x=x, weight=weight: F.linear(x, weight), args.iters, args.repeat, clock)
-                fast = best_us(lambda x=x, packed=packed: packed_linear(x, packed), args.iters, args.repeat, clock)
+                plain = 1e3 * best_ms(lambda x=x, weight=weight: F.linear(x, weight), args.iters, args.repeat, clock)
+                fast = 1e3 * best_ms(lambda x=x, packed=packed: packed_linear(x, packed), args.iters, args.repeat, clock)
                 print(f"{name:18} {f'{k}x{n}':>12} {rows:5} {plain:12.0f} {fast:10.0f} {plain / fast:7.2f}x")
 
 
