@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.messages import ErrorCode, split_error
+from broker.messages import ErrorCode
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -57,11 +57,6 @@ def engine_error(code: ErrorCode, message: str) -> ApiError:
     status = _ENGINE_STATUS.get(code, 503)
     headers = {"Retry-After": "1"} if status == 503 else None
     return ApiError(status, message, code=code.value, headers=headers)
-
-
-def from_engine_error(error: str) -> ApiError:
-    """`engine_error` for the old "<code>: detail" text; compatibility until callers pass the code."""
-    return engine_error(*split_error(error))
 
 
 def sse_error(error: ApiError) -> str:

@@ -5,14 +5,15 @@ Rules:
   the engine expands n > 1. Its params are `SamplingParams.to_engine_dict()`: stop strings stay here. Choice index = prompt index * n + sequence index (OpenAI's order).
 - Iterating yields `ChoiceOutput` deltas: text made final by the incremental detokenizer, after stop
   strings, with the tokens (and logprob entries) that produced it. Each choice ends with exactly one
-  delta carrying its finish_reason ("stop", "length", or "abort" if the engine cut it).
+  delta carrying its finish_reason (a `FinishReason`: stop, length, or abort if the engine cut it).
 - The token that made the engine stop (EOS or one of stop_token_ids) counts as a completion token
   but is not detokenized, unless include_stop_str_in_output (vLLM's rule).
 - A stop string finishes its choice at once (finish_reason "stop", stop_reason = the string). The
   engine is told to stop that sequence alone while other choices of the request still run (an
   ABORT with its index), and to ABORT the request once every choice has finished.
-- A failed request (`RequestOutput.error`) raises `GenerationError`; `is_disconnected()` (checked
-  every `poll_interval` s) returning True raises `ClientDisconnected`. Both abort everything.
+- A failed request (`RequestOutput.error_code`) raises `GenerationError` (its `ErrorCode` and message);
+  `is_disconnected()` (checked every `poll_interval` s) returning True raises `ClientDisconnected`.
+  Both abort everything; the metrics' failure label is the `ErrorCode` (client_disconnected for the latter).
 - `close()` aborts whatever still runs and records the request's metrics; call it in a `finally`
   (or use `with`). completion_tokens counts the tokens consumed, up to a stop string's last token.
 - A request whose engine dies is resumed on another one by the broker client (`broker.client_migration`)
@@ -29,17 +30,18 @@ from typing import Protocol
 
 from api.detokenizer import Decoder, IncrementalDetokenizer
 from api.stop_strings import StopStringMatcher
-from broker.messages import AddRequest, ErrorCode, RequestOutput, error_code, make_error
+from broker.messages import AddRequest, ErrorCode, FinishReason, RequestOutput, make_error
 from broker.request_handle import RequestHandle
 from broker.sampling_params import SamplingParams
 
 
 class GenerationError(Exception):
-    """The request failed in the engine or the broker; `error` is "<ErrorCode>: detail"."""
+    """The request failed in the engine or the broker: `code` says why, `message` is for humans."""
 
-    def __init__(self, error: str) -> None:
-        super().__init__(error)
-        self.error = error
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(make_error(code, message))
+        self.code = code
+        self.message = message
 
 
 class ClientDisconnected(Exception):
@@ -100,7 +102,7 @@ class _Sequence:
     def apply(self, out: RequestOutput) -> ChoiceOutput | None:
         delta = ChoiceOutput(self.index, logprobs=[] if out.logprobs else None, prompt_logprobs=out.prompt_logprobs)
         tokens = out.new_token_ids
-        hide_stop_token = out.finish_reason == "stop" and not self.show_stop_token
+        hide_stop_token = out.finish_reason is FinishReason.STOP and not self.show_stop_token
         shown = len(tokens) - 1 if hide_stop_token else len(tokens)
         for k, token in enumerate(tokens):
             self.num_tokens += 1
@@ -112,13 +114,13 @@ class _Sequence:
             piece, stop = self.stops.feed(self.detok.add([token]))
             delta.text += piece
             if stop is not None:
-                return self._finish(delta, "stop", stop)
+                return self._finish(delta, FinishReason.STOP, stop)
         if out.finish_reason is not None:
             self.engine_done = True
             piece, stop = self.stops.feed(self.detok.flush())
             delta.text += piece
             if stop is not None:
-                return self._finish(delta, "stop", stop)
+                return self._finish(delta, FinishReason.STOP, stop)
             delta.text += self.stops.flush()
             return self._finish(delta, out.finish_reason, out.stop_reason)
         return delta if delta.text or delta.token_ids else None
@@ -153,7 +155,7 @@ class Generation:
         self._seqs = [[_Sequence(p * sp.n + i, tokenizer, ids, sp) for i in range(sp.n)]
                       for p, (ids, sp) in enumerate(zip(prompts, self.params, strict=True))]
         self._handles: list[RequestHandle] = []
-        self._error: str | None = None
+        self._error: ErrorCode | None = None
         self._closed = False
 
     @property
@@ -184,16 +186,16 @@ class Generation:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self._poll_interval
                 if self._is_disconnected():
-                    self._error = make_error(ErrorCode.CLIENT_DISCONNECTED, "the client went away")
+                    self._error = ErrorCode.CLIENT_DISCONNECTED
                     self.close()
                     raise ClientDisconnected(self.request_id)
             if got is None:
                 continue
             p, out = got
-            if out.error is not None:
-                self._error = out.error
+            if out.error_code is not None:
+                self._error = out.error_code
                 self.close()
-                raise GenerationError(out.error)
+                raise GenerationError(out.error_code, out.error_message or "")
             yield from self._apply(p, out, active)
 
     def _apply(self, p: int, out: RequestOutput, active: dict[int, RequestHandle]) -> Iterator[ChoiceOutput]:
@@ -217,7 +219,7 @@ class Generation:
         elif handle.finished:
             for s in seqs:
                 if not s.finished:
-                    yield s.cut("abort")
+                    yield s.cut(FinishReason.ABORT)
             del active[p]
 
     def _next_output(self, active: dict[int, RequestHandle]) -> tuple[int, RequestOutput] | None:
@@ -246,9 +248,9 @@ class Generation:
             handle.close()
         if self._recorder is not None:
             seqs = [s for group in self._seqs for s in group]
-            error = error_code(self._error) if self._error is not None else None
+            error: str | None = self._error
             if error is None and not all(s.finished for s in seqs):
-                error = "abort"
+                error = FinishReason.ABORT
             reasons = [s.finish_reason for s in seqs if s.finish_reason is not None]
             self._recorder.on_finish(self.prompt_tokens, self.completion_tokens, reasons, error)
 

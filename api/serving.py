@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 
 from api.answer import Chunk
-from api.errors import ApiError, bad_request, from_engine_error, unavailable
+from api.errors import ApiError, bad_request, engine_error, unavailable
 from api.generation import ChoiceOutput, ClientDisconnected, Generation, GenerationError
 from api.metrics import IN_FLIGHT, RequestRecorder
 from api.protocol import fit_to_context
@@ -189,7 +189,7 @@ def collect(run: Run) -> list[ChoiceOutput]:
         for delta in run.generation:
             choices[delta.index].add(delta)
     except GenerationError as e:
-        raise from_engine_error(e.error) from e
+        raise engine_error(e.code, e.message) from e
     finally:
         run.close()
     return choices
@@ -202,7 +202,7 @@ def prefetched(run: Run) -> Iterator[ChoiceOutput]:
         first = next(events, None)
     except GenerationError as e:
         run.close()
-        raise from_engine_error(e.error) from e
+        raise engine_error(e.code, e.message) from e
     except BaseException:
         run.close()
         raise
@@ -221,7 +221,7 @@ def chunk_stream(run: Run, head: Iterable[Chunk], deltas: Iterable[ChoiceOutput]
             yield from render(delta)
         yield from tail()
     except GenerationError as e:
-        yield from_engine_error(e.error)
+        yield engine_error(e.code, e.message)
     except ClientDisconnected:
         raise
     except Exception:

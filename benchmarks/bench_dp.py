@@ -129,8 +129,8 @@ def skewed_balance(args: argparse.Namespace) -> dict:
             params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True).to_dict()
             with client.submit(AddRequest(f"s{i}", "", prompts[i], params, time.time(), time.time() + 1800)) as h:
                 for out in h:
-                    if out.error:
-                        raise RuntimeError(out.error)
+                    if out.error_code is not None:
+                        raise RuntimeError(out.error_text())
                 with lock:
                     placed[h.engine_id] += 1
                     kinds[(h.engine_id, "long" if long else "short")] += 1

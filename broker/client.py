@@ -13,7 +13,7 @@ Rules:
   `broker.in_flight.InFlightTable` (`client.table`), behind its lock; its rules say how it changes. The
   client and its threads do the Redis I/O, outside that lock, with what the table's methods return.
 - Nothing hangs and nothing is silently lost; a request ends with an error output (finish_reason
-  "error", `error` = "<ErrorCode>: ...") when:
+  ERROR, an `ErrorCode` in `error_code`, the detail in `error_message`) when:
   * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
   * the output subscription drops (Redis restarted, network) -> broker_disconnected, for every
     request in flight that had produced output (some may have been missed); the listener resubscribes

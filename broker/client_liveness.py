@@ -10,9 +10,10 @@ engine are re-placed if they have produced no output yet, resumed from their del
 them, they wait up to `replace_wait` s for one, e.g. the same engine restarted) and sends deferred
 ABORTs to engines that are live again.
 
-`Maintenance` holds no state of its own besides the client and the last presence read: what it decides
-on is in the client's in-flight table (`broker.in_flight`), which it changes only through its methods,
-and it does its Redis I/O (engine list, presence, ADDs, ABORTs) outside the table's lock.
+`Maintenance` holds no state of its own besides the client, the last presence read and how long deferred
+ABORTs have waited for their engine: what it decides on is in the client's in-flight table
+(`broker.in_flight`), which it changes only through its methods, and it does its Redis I/O (engine list,
+presence, ADDs, ABORTs) outside the table's lock.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Maintenance:
         self._client = client
         self._migrator = Migrator(client)
         self._absent: set[tuple[str, str]] = set()  # (engine, incarnation) with no presence at the last read
+        self._aborts_waiting_since: dict[str, float] = {}  # engine -> when its deferred ABORTs first found it not live
 
     def run(self, stopping: threading.Event) -> None:
         c, settings = self._client, self._client.settings
@@ -167,7 +169,9 @@ class Maintenance:
                         "for one", c.client_id, mb.engine_id, mb.request_id, c.settings.replace_wait)
 
     def flush_aborts(self) -> None:
-        """Send the deferred ABORTs to their engines that are live; those for gone engines are dropped.
+        """Send the deferred ABORTs to their engines that are live. Those for an engine that is not live wait
+        for it up to `replace_wait` s (after a Redis restart the client is back before the engine has restored
+        its registration, and the engine still runs the request), then are dropped: the engine is gone.
 
         If the engine list cannot be read, everything stays deferred for the next try.
         """
@@ -181,6 +185,12 @@ class Maintenance:
             for engine_id, ids in pending.items():
                 c.table.defer_aborts(engine_id, ids)
             return
+        now = time.monotonic()
         for engine_id, ids in pending.items():
             if engine_id in live:
+                self._aborts_waiting_since.pop(engine_id, None)
                 c.send_aborts(engine_id, sorted(ids))
+            elif now - self._aborts_waiting_since.setdefault(engine_id, now) < c.settings.replace_wait:
+                c.table.defer_aborts(engine_id, ids)
+            else:
+                del self._aborts_waiting_since[engine_id]

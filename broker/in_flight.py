@@ -23,7 +23,7 @@ Rules:
   sending again) every request in flight in the same step, so no output can be missed unnoticed.
 - A request ends once: its last output or error goes into its mailbox, its wire ids are unrouted and its
   engine's load count (`released`) drops, in one step; ending it again does nothing. Errors made here are
-  outputs with finish_reason "error" and `error` = "<ErrorCode>: detail"; a request failed while its
+  `RequestOutput.failure` outputs (an `ErrorCode` and a message); a request failed while its
   engine lives is ABORTed there (deferred), one whose engine is gone is not.
 - Outputs reach a mailbox only from the engine it is placed on and under a wire id it still routes: late
   outputs of a gone engine, of a request moved to continuations, or of one lost with Redis are dropped.
@@ -50,7 +50,6 @@ from broker.messages import (
     FinishReason,
     RequestOutput,
     UtilityResult,
-    error_code,
     make_error,
 )
 from broker.request_handle import Mailbox
@@ -255,8 +254,8 @@ class InFlightTable:
         index = mb.routes.get(out.request_id)
         if index is not None:  # a continuation: sequence `index` of the original request
             out.request_id, out.index = mb.request_id, index
-        if out.error is not None and error_code(out.error) == ErrorCode.ENGINE_FAILED:
-            mb.engine_error = out.error  # the request may still resume: the liveness check decides
+        if out.error_code is ErrorCode.ENGINE_FAILED:
+            mb.engine_error = out.error_message or ""  # the request may still resume: the liveness check decides
             self._declare_gone_locked(mb.engine_id, mb.incarnation, "engine_failed")
             return
         if out.new_token_ids:
@@ -264,7 +263,7 @@ class InFlightTable:
         mb.got_output = True
         if out.finish_reason is not None:
             mb.finished_indices.add(out.index)
-        last = out.error is not None or len(mb.finished_indices) >= mb.n
+        last = out.error_code is not None or len(mb.finished_indices) >= mb.n
         mb.outputs.put((out, last))
         if last:
             self._finish_locked(mb)
@@ -378,7 +377,7 @@ class InFlightTable:
 
     def _fail_gone_locked(self, mb: Mailbox, blocker: str | None) -> None:
         if mb.engine_error is not None:
-            self._fail_locked(mb, ErrorCode.ENGINE_FAILED, mb.engine_error.split(":", 1)[-1].strip(), abort=False)
+            self._fail_locked(mb, ErrorCode.ENGINE_FAILED, mb.engine_error, abort=False)
             return
         why = f"; not resumed: {blocker}" if blocker else ""
         self._fail_locked(mb, ErrorCode.ENGINE_GONE, f"engine {mb.engine_id} is gone{why}", abort=False)
@@ -485,8 +484,7 @@ class InFlightTable:
     def _fail_locked(self, mb: Mailbox, code: ErrorCode, detail: str, abort: bool = True) -> None:
         if mb.done:
             return
-        error = make_error(code, detail)
-        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ERROR.value, error=error), True))
+        mb.outputs.put((RequestOutput.failure(mb.request_id, code, detail), True))
         self._finish_locked(mb)
         if abort:
             self._pending_aborts.setdefault(mb.engine_id, set()).update(mb.routes)
@@ -497,7 +495,7 @@ class InFlightTable:
     def _end_aborted_locked(self, mb: Mailbox) -> None:
         if mb.done:
             return
-        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ABORT.value), True))
+        mb.outputs.put((RequestOutput(mb.request_id, 0, [], FinishReason.ABORT), True))
         self._finish_locked(mb)
 
     def _end_abandoned_locked(self, mb: Mailbox) -> None:
@@ -505,7 +503,7 @@ class InFlightTable:
         for index in sorted(mb.abandoned - mb.finished_indices):
             mb.finished_indices.add(index)
             last = len(mb.finished_indices) >= mb.n
-            mb.outputs.put((RequestOutput(mb.request_id, index, [], FinishReason.ABORT.value), last))
+            mb.outputs.put((RequestOutput(mb.request_id, index, [], FinishReason.ABORT), last))
             if last:
                 self._finish_locked(mb)
 

@@ -24,7 +24,7 @@ StartWave. Channel messages (engine -> client, on `rs:out:{client}`): EngineOutp
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -47,9 +47,7 @@ __all__ = [
     "UtilityResult",
     "decode",
     "encode",
-    "error_code",
     "make_error",
-    "split_error",
 ]
 
 
@@ -77,31 +75,9 @@ class ErrorCode(StrEnum):
 
 
 def make_error(code: ErrorCode, detail: str) -> str:
-    """Text for logs and humans: "<code>: <detail>" (what `RequestOutput.error` shows)."""
+    """Text for logs and humans only: "<code>: <detail>" (`RequestOutput.error_text`, `UtilityResult.error`).
+    Nothing parses it back: code branches on `RequestOutput.error_code`."""
     return f"{code.value}: {detail}"
-
-
-def error_code(error: str | None) -> str | None:
-    """The code part of a "<code>: <detail>" text (the whole text if it has no code).
-
-    Compatibility only, for callers that still read `RequestOutput.error`: read
-    `RequestOutput.error_code` instead.
-    """
-    if error is None:
-        return None
-    return error.split(":", 1)[0]
-
-
-def split_error(text: str) -> tuple[ErrorCode, str]:
-    """(code, detail) of a "<code>: <detail>" text; an unknown code counts as ENGINE_ERROR.
-
-    Compatibility only, for callers that still pass that text around (`RequestOutput(error=...)`).
-    """
-    code, sep, detail = text.partition(":")
-    try:
-        return ErrorCode(code), detail.removeprefix(" ") if sep else ""
-    except ValueError:
-        return ErrorCode.ENGINE_ERROR, text
 
 
 @wire(tag="add")
@@ -177,9 +153,7 @@ class RequestOutput:
     for humans); an error ends every index of the request. Rarely set fields come last: a running
     sequence's output is a 7-item array.
 
-    Compatibility (until every caller reads `error_code`): the constructor still takes `error=` as a
-    "<code>: <detail>" text and `.error` still gives that text (`make_error`'s format); a plain str
-    `finish_reason` is turned into the enum.
+    A `finish_reason` given as its text value is turned into the enum (an unknown one raises ValueError).
     """
 
     request_id: str
@@ -193,13 +167,10 @@ class RequestOutput:
     error_code: ErrorCode | None = None
     prompt_logprobs: list | None = None
     error_message: str | None = None
-    error: InitVar[str | None] = None
 
-    def __post_init__(self, error: str | None) -> None:
+    def __post_init__(self) -> None:
         if self.finish_reason is not None and type(self.finish_reason) is not FinishReason:
             self.finish_reason = FinishReason(self.finish_reason)
-        if error is not None:
-            self.error_code, self.error_message = split_error(error)
 
     @classmethod
     def failure(cls, request_id: str, code: ErrorCode, message: str, index: int = 0) -> RequestOutput:
@@ -216,8 +187,6 @@ class RequestOutput:
             return None
         return make_error(self.error_code, self.error_message) if self.error_message else self.error_code.value
 
-
-RequestOutput.error = property(RequestOutput.error_text, doc="Compatibility: `error_text()`.")  # see docstring
 
 
 @wire(array=True)

@@ -49,7 +49,7 @@ class Mailbox:
     delivered: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens handed to the caller
     abandoned: set[int] = field(default_factory=set)  # indices the caller stopped (a stop string)
     migrations: int = 0
-    engine_error: str | None = None  # its engine failed as a whole (engine_failed): the error, if not resumed
+    engine_error: str | None = None  # its engine failed as a whole (engine_failed): the message, if not resumed
     gone_reason: str | None = None  # why its engine was declared gone, kept until the request has moved
 
     def __post_init__(self) -> None:
@@ -84,8 +84,8 @@ class RequestHandle:
 
     - `get(timeout)` returns the next `RequestOutput`, or None on timeout or once the request has
       ended and every output was read. The last output of a request has a `finish_reason` (for
-      each index when n > 1) or an `error`; errors made by the client itself (deadline, engine
-      gone, broker disconnected) arrive the same way, as an output with finish_reason "error".
+      each index when n > 1) or an `error_code`; errors made by the client itself (deadline, engine
+      gone, broker disconnected) arrive the same way, as a `RequestOutput.failure` output.
     - Iterating yields outputs until the request ends (blocking; bounded by the deadline if any).
     - `abort()` tells the owning engine to stop and ends the request here at once (a final output
       with finish_reason "abort"); idempotent. `close()` aborts if still running and forgets the

@@ -178,6 +178,7 @@ class EngineServer:
     def _register(self) -> None:
         self.incarnation = self.registry.register(
             self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
+                             "pp": self.config.pipeline_parallel_size,
                              "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl, "presence": 1})
 
     def _mark_ready(self) -> None:

@@ -22,6 +22,7 @@ from broker.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
+    FinishReason,
     RequestOutput,
     UtilityCall,
     UtilityResult,
@@ -119,7 +120,7 @@ class FakeEngine:
                 if i in st["done"] or (stall is not None and made >= stall):
                     continue
                 made = st["made"][i] = made + 1
-                finish = "length" if made >= max_tokens else None
+                finish = FinishReason.LENGTH if made >= max_tokens else None
                 if finish:
                     st["done"].add(i)
                 token = add.prompt_token_ids[0] * 1000 + made
@@ -235,7 +236,7 @@ class ContinuingEngine(FakeEngine):
                     continue
                 made = st["made"][i] = made + 1
                 start = prompt[-1] if len(prompt) > PROMPT_LEN else prompt[0] * 1000 + 100 * i
-                finish = "length" if made >= params.max_tokens else None
+                finish = FinishReason.LENGTH if made >= params.max_tokens else None
                 if finish:
                     st["done"].add(i)
                 outputs[add_.client_id].append(RequestOutput(rid, i, [start + made], finish, None, len(prompt), 0))

@@ -44,7 +44,7 @@ class FakeHandle:
         out = self._outputs.popleft()
         if out.finish_reason is not None:
             self._finished_indices.add(out.index)
-        if out.error is not None or len(self._finished_indices) >= self.n:
+        if out.error_code is not None or len(self._finished_indices) >= self.n:
             self.finished = True
         return out
 

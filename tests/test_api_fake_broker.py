@@ -121,13 +121,6 @@ def test_generation_several_prompts(tokenizer, text_tokens) -> None:
     assert gen.prompt_tokens == 5 and gen.completion_tokens == 16
 
 
-def test_generation_error_output_raises(tokenizer) -> None:
-    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [], "error", error="invalid_request: bad")])
-    with pytest.raises(GenerationError) as info:
-        run_generation(client, tokenizer, SamplingParams())
-    assert info.value.error == "invalid_request: bad"
-
-
 class FailureRecorder:
     """Keeps the error code a generation reports to its metrics recorder."""
 
@@ -140,13 +133,22 @@ class FailureRecorder:
         self.error = error
 
 
+def test_generation_error_output_raises(tokenizer) -> None:
+    client = FakeClient(lambda add: [RequestOutput.failure(add.request_id, ErrorCode.INVALID_REQUEST, "bad")])
+    recorder = FailureRecorder()
+    with pytest.raises(GenerationError) as info:
+        run_generation(client, tokenizer, SamplingParams(), recorder=recorder)
+    assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message == "bad"
+    assert recorder.error is ErrorCode.INVALID_REQUEST  # the metrics' failure label is the code, not prose
+
+
 def test_generation_disconnect_aborts(tokenizer) -> None:
     client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [10]), None])
     recorder = FailureRecorder()
     with pytest.raises(ClientDisconnected):
         run_generation(client, tokenizer, SamplingParams(), is_disconnected=lambda: True, recorder=recorder)
     assert client.handles[0].aborted
-    assert recorder.error == ErrorCode.CLIENT_DISCONNECTED  # the metrics' failure label
+    assert recorder.error is ErrorCode.CLIENT_DISCONNECTED  # the metrics' failure label
 
 
 # ----------------------------------------------------------------------------------------- HTTP app
@@ -263,7 +265,7 @@ def test_no_engine_is_503(tiny_llama_dir, tokenizer, text_tokens) -> None:
 
 
 def test_engine_rejection_before_streaming_keeps_its_status(tiny_llama_dir, tokenizer) -> None:
-    client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [], "error", error="invalid_request: nope")])
+    client = FakeClient(lambda add: [RequestOutput.failure(add.request_id, ErrorCode.INVALID_REQUEST, "nope")])
     http = make_app(tiny_llama_dir, tokenizer, client)
     for stream in (False, True):
         r = http.post("/v1/completions", json={"prompt": "x", "stream": stream})
@@ -272,12 +274,13 @@ def test_engine_rejection_before_streaming_keeps_its_status(tiny_llama_dir, toke
 
 def test_error_after_streaming_began_is_an_sse_event(tiny_llama_dir, tokenizer) -> None:
     client = FakeClient(lambda add: [RequestOutput(add.request_id, 0, [10]),
-                                     RequestOutput(add.request_id, 0, [], "error", error="engine_gone: gone")])
+                                     RequestOutput.failure(add.request_id, ErrorCode.ENGINE_GONE, "gone")])
     http = make_app(tiny_llama_dir, tokenizer, client)
     r = http.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 200
     events = sse_events(r)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_gone"
+    assert events[-2]["error"]["message"] == "gone"
 
 
 def test_too_many_in_flight_is_429(tiny_llama_dir, tokenizer) -> None:

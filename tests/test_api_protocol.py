@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
-from api.errors import ApiError, from_engine_error
+from api.errors import ApiError, engine_error
 from api.protocol import fit_to_context, parse_chat_request, parse_completion_request
+from broker.messages import ErrorCode
 from broker.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -142,10 +143,16 @@ def test_fit_to_context() -> None:
     assert fit_to_context(p, 90, 100).max_tokens == 10
 
 
+ENGINE_STATUSES = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ENGINE_ERROR: 500,
+                   ErrorCode.ENGINE_FAILED: 500, ErrorCode.ENGINE_GONE: 503, ErrorCode.BROKER_DISCONNECTED: 503,
+                   ErrorCode.OUTPUT_LOST: 503, ErrorCode.NO_ENGINE: 503, ErrorCode.CLIENT_DISCONNECTED: 503}
+
+
 def test_engine_errors_map_to_statuses() -> None:
-    assert from_engine_error("invalid_request: bad ids").status == 400
-    assert from_engine_error("invalid_request: bad ids").message == "bad ids"
-    assert from_engine_error("deadline_exceeded: late").status == 504
-    assert from_engine_error("engine_error: boom").status == 500
-    gone = from_engine_error("engine_gone: engine 0 is gone")
-    assert gone.status == 503 and gone.headers["Retry-After"] == "1"
+    assert set(ENGINE_STATUSES) == set(ErrorCode)  # a new code must choose its status here
+    for code, status in ENGINE_STATUSES.items():
+        error = engine_error(code, "detail")
+        assert (error.status, error.code, error.message) == (status, code.value, "detail"), code
+        assert error.headers == ({"Retry-After": "1"} if status == 503 else {}), code
+    assert engine_error(ErrorCode.INVALID_REQUEST, "bad ids").body()["error"] == {
+        "message": "bad ids", "type": "invalid_request_error", "param": None, "code": "invalid_request"}

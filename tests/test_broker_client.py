@@ -16,6 +16,7 @@ from broker.connection import connect
 from broker.engine_link import EngineHeartbeat
 from broker.errors import NoEngineAvailable, UtilityError
 from broker.load_balance import EngineLoad, write_lb_snapshot
+from broker.messages import FinishReason
 
 # --------------------------------------------------------------------------- happy paths
 
@@ -48,7 +49,7 @@ def test_n_greater_than_one_ends_after_every_index(cluster):
     client = cluster.client()
     outs = collect(client.submit(add(first_token=3, n=2, max_tokens=3)))
     assert sorted((o.index, o.new_token_ids[0]) for o in outs) == [(i, 3000 + k) for i in (0, 1) for k in (1, 2, 3)]
-    assert {o.index for o in outs if o.finish_reason == "length"} == {0, 1}
+    assert {o.index for o in outs if o.finish_reason is FinishReason.LENGTH} == {0, 1}
     assert outs[-1].finished
 
 
@@ -94,7 +95,7 @@ def test_abort_is_routed_to_the_owning_engine(cluster):
     assert first.new_token_ids == [1001]
     handle.abort()
     handle.abort()  # idempotent
-    assert handle.get(timeout=1).finish_reason == "abort"
+    assert handle.get(timeout=1).finish_reason is FinishReason.ABORT
     assert handle.finished and handle.get(timeout=0) is None
     poll(lambda: handle.request_id in e1.aborts, 5, "the ABORT on e1")
     assert handle.request_id not in e0.aborts and handle.request_id not in e0.adds
@@ -134,7 +135,7 @@ def test_no_engine_available(cluster):
         client.submit(add(), engine_id="starting")
     assert client.in_flight() == 0
     cluster.engine("e0")
-    assert collect(client.submit(add()))[-1].finish_reason == "length"
+    assert collect(client.submit(add()))[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_duplicate_and_foreign_ids_are_rejected(cluster):

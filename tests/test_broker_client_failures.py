@@ -12,7 +12,7 @@ from broker_fakes import add, cluster, collect, fake_ready_engine  # noqa: F401 
 from stack_procs import poll
 
 from broker.connection import connect
-from broker.messages import EngineOutputs, RequestOutput, encode, error_code
+from broker.messages import EngineOutputs, ErrorCode, FinishReason, RequestOutput, encode
 
 # --------------------------------------------------------------------------- failures
 
@@ -24,7 +24,7 @@ def test_deadline_ends_a_stuck_request(cluster):
     handle = client.submit(add(max_tokens=100, stall_after=0, deadline_in=0.3))
     outs = list(handle)
     assert 0.25 < time.monotonic() - start < 2
-    assert error_code(outs[-1].error) == "deadline_exceeded" and outs[-1].finish_reason == "error"
+    assert outs[-1].error_code is ErrorCode.DEADLINE_EXCEEDED and outs[-1].finish_reason is FinishReason.ERROR
     poll(lambda: handle.request_id in eng.aborts, 5, "the ABORT of the expired request")
 
 
@@ -33,7 +33,7 @@ def test_deadline_is_enforced_without_a_reader(cluster):
     client = cluster.client()
     handle = client.submit(add(max_tokens=100, stall_after=0, deadline_in=0.2))
     poll(lambda: client.in_flight() == 0, 3, "the maintenance thread expiring the request")
-    assert error_code(handle.get(timeout=0).error) == "deadline_exceeded"
+    assert handle.get(timeout=0).error_code is ErrorCode.DEADLINE_EXCEEDED
 
 
 def test_unstarted_request_moves_to_a_live_engine_when_its_engine_dies(cluster):
@@ -57,7 +57,7 @@ def test_started_request_fails_when_its_engine_dies(cluster):
     assert handle.get(timeout=5).new_token_ids == [1001]
     e0.crash()
     last = handle.get(timeout=5)
-    assert error_code(last.error) == "engine_gone" and handle.finished
+    assert last.error_code is ErrorCode.ENGINE_GONE and handle.finished
 
 
 def test_duplicates_are_dropped_and_gaps_fail_requests(cluster):
@@ -78,7 +78,7 @@ def test_duplicates_are_dropped_and_gaps_fail_requests(cluster):
     send(4, 14)  # seq 3 was lost
     outs = collect(handle, timeout=3)
     assert [o.new_token_ids for o in outs[:2]] == [[11], [12]]
-    assert error_code(outs[2].error) == "output_lost" and len(outs) == 3
+    assert outs[2].error_code is ErrorCode.OUTPUT_LOST and len(outs) == 3
     beat.stop()
 
 
@@ -93,7 +93,7 @@ def test_client_heartbeat_and_stop(cluster):
     handle = client.submit(add(), engine_id="e0")
     client.stop()
     client.stop()
-    assert error_code(handle.get(timeout=1).error) == "broker_disconnected"
+    assert handle.get(timeout=1).error_code is ErrorCode.BROKER_DISCONNECTED
     assert not r.exists(alive) and not r.sismember(cluster.keys.clients(), client.client_id)
     with pytest.raises(RuntimeError, match="stopped"):
         client.submit(add())

@@ -18,8 +18,6 @@ from broker.messages import (
     ErrorCode,
     FinishReason,
     RequestOutput,
-    error_code,
-    make_error,
 )
 
 
@@ -77,7 +75,7 @@ def test_every_running_sequence_of_n_continues_on_its_own(cluster, engines):
     e0.crash()
     outs += collect(handle, timeout=10)
     assert _tokens(outs, 0) == [4001, 4002, 4003, 4004] and _tokens(outs, 1) == [4101, 4102, 4103, 4104]
-    assert {o.index for o in outs if o.finish_reason == "length"} == {0, 1}
+    assert {o.index for o in outs if o.finish_reason is FinishReason.LENGTH} == {0, 1}
     assert sorted(e1.received) == [f"{handle.request_id}~m1.0", f"{handle.request_id}~m1.1"]
     assert {o.request_id for o in outs} == {handle.request_id}
 
@@ -92,7 +90,7 @@ def test_a_sequence_the_caller_stopped_is_not_continued(cluster, engines):
     e0.crash()
     outs += collect(handle, timeout=10)
     assert _tokens(outs, 0)[-1] == 5004
-    assert [o.finish_reason for o in outs if o.index == 1 and o.finish_reason] == [FinishReason.ABORT.value]
+    assert [o.finish_reason for o in outs if o.index == 1 and o.finish_reason] == [FinishReason.ABORT]
     assert list(e1.received) == [f"{handle.request_id}~m1.0"]
 
 
@@ -108,8 +106,8 @@ def test_a_request_moves_at_most_max_migrations_times(cluster, engines):
     e1.hold()
     e1.crash()
     outs = collect(handle, timeout=10)
-    assert error_code(outs[-1].error) == ErrorCode.ENGINE_GONE
-    assert "moved 1 time(s) already (--max-migrations 1)" in outs[-1].error
+    assert outs[-1].error_code is ErrorCode.ENGINE_GONE
+    assert "moved 1 time(s) already (--max-migrations 1)" in outs[-1].error_message
 
 
 def test_a_request_the_caller_closed_is_not_resumed(cluster, engines, monkeypatch):
@@ -147,10 +145,10 @@ def test_a_dead_tp_worker_engine_failed_output_resumes_the_request(cluster, engi
     handle = client.submit(add(first_token=8, max_tokens=5, temperature=0), engine_id="e0")
     outs = _started(handle, 2)
     e0.hold()
-    failed = RequestOutput(handle.request_id, 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died"))
+    failed = RequestOutput.failure(handle.request_id, ErrorCode.ENGINE_FAILED, "worker died")
     e0.publisher.publish({client.client_id: EngineOutputs("e0", [failed], time.time())}, [], None)
     outs += collect(handle, timeout=10)
-    assert _tokens(outs) == [8001, 8002, 8003, 8004, 8005] and outs[-1].error is None
+    assert _tokens(outs) == [8001, 8002, 8003, 8004, 8005] and outs[-1].error_code is None
     assert moves == [("engine_failed", "e0", "e1")]
 
 
@@ -160,10 +158,10 @@ def test_an_engine_failed_request_that_cannot_move_ends_with_the_engines_error(c
     handle = client.submit(add(first_token=9, max_tokens=50, temperature=0), engine_id="e0")
     _started(handle, 1)
     e0.hold()
-    failed = RequestOutput(handle.request_id, 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died"))
+    failed = RequestOutput.failure(handle.request_id, ErrorCode.ENGINE_FAILED, "worker died")
     e0.publisher.publish({client.client_id: EngineOutputs("e0", [failed], time.time())}, [], None)
     last = collect(handle, timeout=10)[-1]
-    assert error_code(last.error) == ErrorCode.ENGINE_FAILED and "worker died" in last.error
+    assert last.error_code is ErrorCode.ENGINE_FAILED and last.error_message == "worker died"
 
 
 def test_an_engine_whose_presence_comes_back_is_used_again(cluster, engines):
@@ -177,7 +175,7 @@ def test_an_engine_whose_presence_comes_back_is_used_again(cluster, engines):
         client.submit(add(max_tokens=1))
     e0.presence = EnginePresence(cluster.url, cluster.keys, "e0", lambda: e0.incarnation).start()
     poll(lambda: not client.table.gone_engines(), 5, "the verdict on e0 withdrawn")
-    assert collect(client.submit(add(first_token=2, max_tokens=2)))[-1].finish_reason == "length"
+    assert collect(client.submit(add(first_token=2, max_tokens=2)))[-1].finish_reason is FinishReason.LENGTH
     outs += collect(handle, timeout=10)
     assert _tokens(outs) == [1000 + k for k in range(1, 41)] and handle.migrations == 0
 
@@ -194,12 +192,12 @@ def test_an_engine_that_fails_and_deregisters_at_once_counts_as_failed(cluster, 
     landed = threading.Event()  # the outputs reach the client only after the deregistration
     deliver = client.table.deliver
     monkeypatch.setattr(client.table, "deliver", lambda outs: (landed.wait(10), deliver(outs)))
-    failed = RequestOutput(handle.request_id, 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died"))
+    failed = RequestOutput.failure(handle.request_id, ErrorCode.ENGINE_FAILED, "worker died")
     e0.publisher.publish({client.client_id: EngineOutputs("e0", [failed], time.time())}, [], None)
     e0.stop()  # deregisters
     landed.set()
     outs += collect(handle, timeout=10)
-    assert _tokens(outs) == [8001, 8002, 8003, 8004, 8005] and outs[-1].error is None
+    assert _tokens(outs) == [8001, 8002, 8003, 8004, 8005] and outs[-1].error_code is None
     assert moves == [("engine_failed", "e0", "e1")]
 
 

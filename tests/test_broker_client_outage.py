@@ -11,7 +11,7 @@ from stack_procs import poll
 
 from broker.client import BrokerClient
 from broker.errors import BrokerUnavailable
-from broker.messages import error_code
+from broker.messages import ErrorCode
 from broker.redis_server import EmbeddedRedis
 
 
@@ -28,7 +28,7 @@ def test_redis_restart_mid_stream(redis_keys):
             start = time.monotonic()
             server.restart()
             last = stuck.get(timeout=10)
-            assert error_code(last.error) == "broker_disconnected" and stuck.finished
+            assert last.error_code is ErrorCode.BROKER_DISCONNECTED and stuck.finished
             assert time.monotonic() - start < 5  # ended on the disconnect, not on its 20 s deadline
 
             # Reconnected: the engine restored its registration and group, the client resubscribed.
@@ -52,7 +52,7 @@ def test_redis_down_fails_fast_and_nothing_hangs(redis_keys):
             # no output yet: it waits for Redis to come back (to be sent again), but no longer than replace_wait
             stuck = client.submit(add(max_tokens=100, stall_after=0, deadline_in=30))
             server.stop()
-            assert error_code(stuck.get(timeout=5).error) == "broker_disconnected"
+            assert stuck.get(timeout=5).error_code is ErrorCode.BROKER_DISCONNECTED
             start = time.monotonic()
             with pytest.raises(BrokerUnavailable):
                 client.submit(add())

@@ -17,9 +17,6 @@ from broker.messages import (
     UtilityResult,
     decode,
     encode,
-    error_code,
-    make_error,
-    split_error,
 )
 
 SAMPLES = [
@@ -195,15 +192,16 @@ def test_failure_carries_the_code_and_the_message_apart():
     assert out.error_text() == "invalid_request: prompt too long: 9000 tokens"
 
 
-def test_compatibility_with_error_text_callers():
-    """Callers not yet moved to error_code: `error=` text in, `.error` text out, `error_code(text)`."""
-    out = RequestOutput("r", 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died: rank 1"))
-    assert out.error_code is ErrorCode.ENGINE_FAILED and out.error_message == "worker died: rank 1"
-    assert out.finish_reason is FinishReason.ERROR
-    assert out.error == "engine_failed: worker died: rank 1" and error_code(out.error) == ErrorCode.ENGINE_FAILED
-    assert RequestOutput("r", 0, [5]).error is None and error_code(None) is None
-    assert split_error("no code here") == (ErrorCode.ENGINE_ERROR, "no code here")
-    assert decode(encode(EngineOutputs("e", [out], 1.0))).outputs[0].error == out.error
+def test_a_text_finish_reason_becomes_the_enum_and_errors_never_travel_as_text():
+    assert RequestOutput("r", 0, [5], "length").finish_reason is FinishReason.LENGTH  # engine.request's text
+    running = RequestOutput("r", 0, [5])
+    assert running.error_code is None and running.error_message is None and running.error_text() is None
+    with pytest.raises(TypeError):
+        RequestOutput("r", 0, [], "error", error="engine_failed: worker died")  # no "<code>: detail" way in
+    sent = RequestOutput.failure("r", ErrorCode.ENGINE_FAILED, "worker died: rank 1", index=2)
+    back = decode(encode(EngineOutputs("e", [sent], 1.0))).outputs[0]
+    assert (back.index, back.finish_reason, back.error_code) == (2, FinishReason.ERROR, ErrorCode.ENGINE_FAILED)
+    assert type(back.error_code) is ErrorCode and back.error_message == "worker died: rank 1"
 
 
 def test_client_disconnected_is_an_error_code():

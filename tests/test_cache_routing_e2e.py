@@ -57,7 +57,7 @@ class Stack:
         handle = self.submit(prompt, max_tokens)
         tokens = []
         for out in handle:
-            assert out.error is None, out.error
+            assert out.error_code is None, out.error_text()
             tokens += out.new_token_ids
         return handle.engine_id, tokens
 
@@ -152,7 +152,7 @@ def test_a_flood_on_one_cached_prefix_spills_to_the_other_engine(stack):
     placed = [h.engine_id for h in handles]
     for h in handles:
         for out in h:
-            assert out.error is None, out.error
+            assert out.error_code is None, out.error_text()
     assert placed[:2] == [owner, owner], placed
     assert placed.count(other) >= 3, placed  # spilled instead of queueing everything behind the owner
     assert placed.count(owner) > placed.count(other), placed

@@ -30,7 +30,7 @@ from broker.client import BrokerClient
 from broker.engine_link import STREAM_FIELD, RequestReader
 from broker.keys import RedisKeys
 from broker.load_balance import read_lb_snapshot
-from broker.messages import AddRequest, EngineOutputs, RequestOutput, encode
+from broker.messages import AddRequest, EngineOutputs, MessageError, RequestOutput, decode, encode
 from broker.redis_server import EmbeddedRedis
 
 # ----------------------------------------------------------------------------------------- coordinator
@@ -137,14 +137,20 @@ def test_garbage_on_the_output_channel_is_dropped_and_the_request_goes_on(redis_
         assert client.wait_subscribed(10)
         handle = client.submit(AddRequest("r1", "", [1, 2], {"max_tokens": 1}, time.time()))
         channel = keys.output_channel(client.client_id)
-        for junk in (b"garbage", b"\xff", msgpack.packb({"t": "outputs", "v": 1, "engine_id": 3}),
-                     msgpack.packb({"t": "outputs", "v": 1, "engine_id": "0", "outputs": [[1]], "timestamp": 0,
-                                    "seq": 1})):
+        v = EngineOutputs.VERSION  # the current version: the content, not the version, is what is wrong
+        bad_content = [msgpack.packb({"t": "outputs", "v": v, "engine_id": 3}),
+                       msgpack.packb({"t": "outputs", "v": v, "engine_id": "0", "outputs": [[1]], "timestamp": 0,
+                                      "seq": 1})]
+        for junk in bad_content:
+            with pytest.raises(MessageError) as rejected:
+                decode(junk)
+            assert "version" not in str(rejected.value)
+        for junk in (b"garbage", b"\xff", *bad_content):
             assert r.publish(channel, junk) == 1
         out = RequestOutput("r1", 0, [7], "length", num_prompt_tokens=2)
         r.publish(channel, encode(EngineOutputs("0", [out], time.time(), seq=1)))
         got = handle.get(timeout=10)
-        assert got is not None and got.new_token_ids == [7] and got.error is None
+        assert got is not None and got.new_token_ids == [7] and got.error_code is None
     finally:
         client.stop()
 

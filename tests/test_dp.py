@@ -19,7 +19,7 @@ from stack_procs import poll, quiet_cli
 from broker.client import BrokerClient
 from broker.connection import connect
 from broker.keys import RedisKeys
-from broker.messages import AddRequest
+from broker.messages import AddRequest, ErrorCode, FinishReason
 from broker.registry import EngineRegistry
 from broker.sampling_params import SamplingParams
 
@@ -85,12 +85,12 @@ class Stack:
         self.redis.close()
 
 
-def _finish(handle) -> tuple[list[int], str | None, str | None]:
+def _finish(handle) -> tuple[list[int], FinishReason | None, ErrorCode | None]:
     tokens, last = [], None
     for out in handle:
         tokens += out.new_token_ids
         last = out
-    return tokens, last.finish_reason if last else None, last.error if last else None
+    return tokens, last.finish_reason if last else None, last.error_code if last else None
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_kill_9_under_load_completes_or_fails_every_request(stack):
         if engine == "0":  # placed there, or re-placed there because engine 1 never started it
             assert (len(tokens), finish, error) == (48, "length", None), rid
         elif finish != "length":  # engine 1 had started it
-            assert finish == "error" and error.startswith("engine_gone"), (rid, error)
+            assert finish is FinishReason.ERROR and error is ErrorCode.ENGINE_GONE, (rid, error)
     replaced = [rid for rid in results if first_engine[rid] == "1" and results[rid][0] == "0"]
     assert replaced, "requests engine 1 had not started should have completed on engine 0"
 

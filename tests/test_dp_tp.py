@@ -100,7 +100,7 @@ def _generate(client: BrokerClient, engine_id: str, prompt: list[int]) -> list[i
     tokens = []
     with client.submit(add, engine_id=engine_id) as handle:
         for out in handle:
-            assert out.error is None, out.error
+            assert out.error_code is None, out.error_text()
             tokens += out.new_token_ids
     return tokens
 

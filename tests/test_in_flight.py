@@ -15,10 +15,9 @@ from broker.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,
+    FinishReason,
     RequestOutput,
     UtilityResult,
-    error_code,
-    make_error,
 )
 from broker.request_handle import Mailbox
 from broker.request_resume import resume_blocker
@@ -77,10 +76,10 @@ def test_a_gap_fails_exactly_the_requests_and_calls_of_that_engine(t) -> None:
     t.step("e1", 1, _token("x", 21))
     t.step("e0", 3, _token("a", 12))  # seq 2 was lost
     (first, _), (error, last) = _read(a)
-    assert first.new_token_ids == [11] and last and error_code(error.error) == ErrorCode.OUTPUT_LOST
-    assert error_code(_read(b)[0][0].error) == ErrorCode.OUTPUT_LOST
+    assert first.new_token_ids == [11] and last and error.error_code is ErrorCode.OUTPUT_LOST
+    assert _read(b)[0][0].error_code is ErrorCode.OUTPUT_LOST
     assert a.done and b.done and not other.done
-    assert error_code(call_e0.get_nowait().error) == ErrorCode.ENGINE_GONE and call_e1.empty()
+    assert call_e0.get_nowait().error.startswith("engine_gone: ") and call_e1.empty()
     assert t.in_use == {"e1": 1}
     assert t.table.take_deferred_aborts() == {"e0": {"a", "b"}}  # e0 still runs them: ABORT
     t.step("e0", 4, _token("a", 13))  # the request is over: nothing more reaches it
@@ -133,7 +132,7 @@ def test_orphans_are_sorted_by_what_they_produced_and_what_they_ask_for(t) -> No
     assert orphans.replace == [unstarted] and orphans.resend == []
     assert orphans.resume == [(started, "heartbeat_expired")]
     (out, last), = _read(penalised)[1:]
-    assert last and error_code(out.error) == ErrorCode.ENGINE_GONE and "not resumed: presence" in out.error
+    assert last and out.error_code is ErrorCode.ENGINE_GONE and "not resumed: presence" in out.error_message
     assert t.table.take_deferred_aborts() == {}  # its engine is gone: nothing to ABORT
     assert not elsewhere.done and t.in_use == {"e0": 2, "e1": 1}
 
@@ -141,12 +140,12 @@ def test_orphans_are_sorted_by_what_they_produced_and_what_they_ask_for(t) -> No
 def test_an_engine_failed_output_declares_the_engine_gone_instead_of_ending_the_request(t) -> None:
     a = t.submit("a")
     t.step("e0", 1, _token("a", 11))
-    t.step("e0", 2, RequestOutput("a", 0, [], "error", error=make_error(ErrorCode.ENGINE_FAILED, "worker died")))
+    t.step("e0", 2, RequestOutput.failure("a", ErrorCode.ENGINE_FAILED, "worker died"))
     assert len(_read(a)) == 1 and not a.done and t.table.gone_engines() == ["e0"]
     orphans = t.table.collect_orphans(LIVE, 1, lambda mb: "resuming is off")  # it may not move
     assert orphans.resume == [] and a.done
     (out, last), = _read(a)
-    assert last and error_code(out.error) == ErrorCode.ENGINE_FAILED and out.error.endswith("worker died")
+    assert last and out.error_code is ErrorCode.ENGINE_FAILED and out.error_message == "worker died"
 
 
 def test_a_request_resumed_as_n_continuations_is_one_orphan_and_takes_their_outputs(t) -> None:
@@ -172,7 +171,7 @@ def test_a_request_ends_once_and_its_load_count_with_it(t) -> None:
     t.table.fail(a, ErrorCode.ENGINE_GONE, "gone")
     assert t.table.abort(a) is None
     t.table.drop(a)  # e.g. its XADD failed while the client was stopping
-    assert [(o.finish_reason, last) for o, last in _read(a)] == [("abort", True)]
+    assert [(o.finish_reason, last) for o, last in _read(a)] == [(FinishReason.ABORT, True)]
     assert t.in_use == {} and t.table.in_flight() == 0 and t.table.take_deferred_aborts() == {}
 
 
@@ -183,7 +182,7 @@ def test_nothing_is_registered_while_unsubscribed_and_losing_the_subscription_ke
     assert t.table.lose_subscription(resubmit_limit=1) == (1, 1)
     assert not t.table.subscribed and not t.table.wait_subscribed(0)
     assert not t.table.register(Mailbox(add=AddRequest("n", "c", [1], {}, 0.0), engine_id="e0", incarnation="i0", n=1))
-    assert error_code(_read(started)[-1][0].error) == ErrorCode.BROKER_DISCONNECTED
+    assert _read(started)[-1][0].error_code is ErrorCode.BROKER_DISCONNECTED
     assert isinstance(call.get_nowait(), UtilityResult)
     assert unstarted.lost_with_redis and not unstarted.done and t.orphans().resend == [unstarted]
     assert t.table.re_place(unstarted, "e1", "i1", after_outage=True)
@@ -203,7 +202,7 @@ def test_a_parked_request_fails_with_no_engine_once_it_waited_long_enough(t) -> 
     assert not a.done
     t.table.park(a, replace_wait=0.0)
     (out, last), = _read(a)
-    assert last and error_code(out.error) == ErrorCode.NO_ENGINE
+    assert last and out.error_code is ErrorCode.NO_ENGINE
 
 
 def test_a_restarted_engine_orphans_its_requests_and_ends_its_calls_and_numbering(t) -> None:
@@ -212,7 +211,7 @@ def test_a_restarted_engine_orphans_its_requests_and_ends_its_calls_and_numberin
     t.step("e0", 3, _token("a", 11))
     restarted = {**LIVE, "e0": {"incarnation": "i0-new"}}
     assert t.orphans(live=restarted).resume == [(a, "engine_restarted")]
-    assert error_code(call.get_nowait().error) == ErrorCode.ENGINE_GONE
+    assert call.get_nowait().error.startswith("engine_gone: ")
     t.table.move_to_continuations(a, "e0", "i0-new")  # back on its own engine, restarted
     t.step("e0", 1, _token("a~m1", 12, finish="length"))  # the new incarnation numbers from 1
     assert [(o.request_id, o.new_token_ids, last) for o, last in _read(a)][1:] == [("a", [12], True)]

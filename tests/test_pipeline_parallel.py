@@ -124,7 +124,7 @@ def test_served_pp2_matches_and_stage_death_ends_requests(tiny_llama_dir, redis_
             tokens = []
             with handle:
                 for out in handle:
-                    assert out.error is None
+                    assert out.error_code is None
                     tokens += out.new_token_ids
             assert tokens == expected
 

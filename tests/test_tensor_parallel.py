@@ -89,7 +89,7 @@ def test_served_tp2_matches_and_worker_death_ends_requests(tiny_llama_dir, redis
             tokens = []
             with submit(client, f"g{i}", prompt, GREEDY) as handle:
                 for out in handle:
-                    assert out.error is None
+                    assert out.error_code is None
                     tokens += out.new_token_ids
             assert tokens == expected
 
