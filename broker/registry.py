@@ -254,6 +254,7 @@ class EngineHeartbeat:
             logger.warning("%s", e)
             if self._on_declared_dead is not None:
                 self._on_declared_dead()
+            restored = False  # the engine rejoins as a new incarnation; the thread beats on for it
         except redis.RedisError as e:
             (logger.debug if self._failing else logger.warning)("engine %s: heartbeat failed: %s", self._engine_id, e)
             self._failing = True

@@ -119,6 +119,28 @@ def test_heartbeat_thread_reports_a_restored_registration(registry, redis_admin)
         beat.stop()
 
 
+def test_heartbeat_beats_on_for_the_new_incarnation_after_being_declared_dead(registry, redis_client, redis_keys):
+    """Declared dead (paused past its TTL), the engine rejoins as a new incarnation from `on_declared_dead`;
+    the heartbeat thread must survive that beat and keep the new incarnation alive."""
+    registry.register("e0", {})
+    registry.mark_ready("e0", 10, 16, 128)
+    rejoined = []
+
+    def rejoin():
+        rejoined.append(registry.register("e0", {}))
+        registry.mark_ready("e0", 10, 16, 128)
+
+    beat = EngineHeartbeat(registry, "e0", ttl=0.3, interval=0.05, on_declared_dead=rejoin).start()
+    try:
+        redis_client.hset(redis_keys.engine("e0"), "state", EngineState.DEAD.value)  # as the coordinator does
+        assert _eventually(lambda: len(rejoined) == 1)
+        time.sleep(0.6)  # twice the TTL: only a live thread keeps the new incarnation's key
+        assert redis_client.get(redis_keys.engine_alive("e0")) == rejoined[0].encode()
+        assert [e["incarnation"] for e in registry.live_engines()] == rejoined
+    finally:
+        beat.stop()
+
+
 def test_heartbeat_thread(registry):
     registry.register("e0", {})
     registry.mark_ready("e0", 10, 16, 128)
