@@ -153,6 +153,21 @@ struct Views {
   const int32_t* query_start; const int32_t* query_lens; const int32_t* context_lens;
 };
 
+// Blocks sit anywhere in the pool: fetch the K/V rows of the task's heads in the next block while this one runs.
+template <typename T>
+inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int64_t bs) {
+  const int64_t row_bytes = (t.head_end - t.head_begin) * w.kv_head * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < bs; ++j) {
+    const int64_t row = (block * bs + j) * w.kv_slot + t.head_begin * w.kv_head;
+    const char* kr = reinterpret_cast<const char*>(w.k + row);
+    const char* vr = reinterpret_cast<const char*>(w.v + row);
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      __builtin_prefetch(kr + off);
+      __builtin_prefetch(vr + off);
+    }
+  }
+}
+
 // Scratch of one thread, sized once per parallel chunk: queries, accumulators, scores of one block.
 struct Scratch {
   std::vector<float> q, acc, m, l, scores;
@@ -183,18 +198,7 @@ void run_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
     const int64_t begin = std::max(lo, b * bs), end = std::min(last_pos + 1, (b + 1) * bs);
     const int64_t n = end - begin;
     const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
-    if (b < last_pos / bs) {  // the next block is elsewhere in memory: fetch its K/V rows while this one runs
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs;
-      const int64_t row_bytes = (t.head_end - t.head_begin) * w.kv_head * static_cast<int64_t>(sizeof(T));
-      for (int64_t j = 0; j < bs; ++j) {
-        const char* kr = reinterpret_cast<const char*>(w.k + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
-        const char* vr = reinterpret_cast<const char*>(w.v + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(kr + off);
-          __builtin_prefetch(vr + off);
-        }
-      }
-    }
+    if (b < last_pos / bs) prefetch_block(w, t, table[b + 1], bs);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = t.head_begin + r / per_head;
       const T* keys = w.k + slot0 * w.kv_slot + head * w.kv_head;
@@ -252,22 +256,11 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
   std::fill_n(x.l.begin(), rows, 0.f);
   const int64_t lo = s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
   const int32_t* table = w.tables + t.seq * w.table_row;
-  const int64_t row_bytes = nh * w.kv_head * static_cast<int64_t>(sizeof(T));
   for (int64_t b = lo / bs; b <= qpos / bs; ++b) {
     const int64_t begin = std::max(lo, b * bs), end = std::min(qpos + 1, (b + 1) * bs);
     const int64_t n = end - begin;
     const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
-    if (b < qpos / bs) {  // the next block is elsewhere in memory: fetch its K/V rows while this one runs
-      const int64_t next = static_cast<int64_t>(table[b + 1]) * bs;
-      for (int64_t j = 0; j < bs; ++j) {
-        const char* kr = reinterpret_cast<const char*>(w.k + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
-        const char* vr = reinterpret_cast<const char*>(w.v + (next + j) * w.kv_slot + t.head_begin * w.kv_head);
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(kr + off);
-          __builtin_prefetch(vr + off);
-        }
-      }
-    }
+    if (b < qpos / bs) prefetch_block(w, t, table[b + 1], bs);
     if (nh == 1) {  // one KV head: its key rows are strided; four keys per pass feed four FMA chains
       const auto* kblock = storage(w.k + slot0 * w.kv_slot + t.head_begin * w.kv_head);
       for (int64_t r = 0; r < rows; ++r) {
