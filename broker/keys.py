@@ -16,6 +16,13 @@ deployments share one Redis. Layout, for prefix "rs" (all inspectable with plain
                                         num_kv_blocks members; written by the engine (broker.prefix_index),
                                         deleted at (re)registration, deregistration and death, TTL
                                         refreshed by the heartbeat
+    rs:engine:{engine}:workers hash     where worker hosts join the engine's remote pipeline stages
+                                        (`redserve worker`, worker.remote_stages): address, port, key
+                                        (the link's HMAC key), nonce, stages, tp, pp, link_timeout;
+                                        written at engine start, deleted at its shutdown
+    rs:engine:{engine}:rdzv:{nonce}:*  string  torch.distributed store of a pipeline spanning hosts
+                                        (worker.redis_store; gloo/NCCL rendezvous), 10 min TTL, deleted
+                                        at engine shutdown
     rs:routing                 hash     cache-aware routing decisions: "{engine}:{reason}" -> count
                                         (reason cache / load), HINCRBY by the API processes
     rs:engines                 set      ids of registered engines
@@ -103,6 +110,13 @@ class RedisKeys:
 
     def engine_blocks(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{check_id('engine', engine_id)}:blocks"
+
+    def engine_workers(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{check_id('engine', engine_id)}:workers"
+
+    def engine_rendezvous(self, engine_id: str, nonce: str) -> str:
+        """Prefix of the pipeline group's torch.distributed store keys for one engine start (`worker.redis_store`)."""
+        return f"{self.prefix}:engine:{check_id('engine', engine_id)}:rdzv:{check_id('rendezvous', nonce)}:"
 
     def engines(self) -> str:
         return f"{self.prefix}:engines"

@@ -46,6 +46,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    remote_stages: int = 0  # the last pipeline stages, taken by worker hosts (`redserve worker`)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,6 +72,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be >= 1")
+        if not 0 <= self.remote_stages < self.pipeline_parallel_size:
+            raise ValueError(f"remote_stages must be in [0, pipeline_parallel_size - 1 = "
+                             f"{self.pipeline_parallel_size - 1}] (stage 0 runs on the engine's host)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.device == "auto":

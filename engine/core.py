@@ -50,9 +50,9 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None, dp_rank: int = 0):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, dp_rank: int = 0, rendezvous=None):
         self.config = config
-        self.executor = executor or make_executor(config, dp_rank)
+        self.executor = executor or make_executor(config, dp_rank, rendezvous)
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.max_model_len = self._usable_model_len(self.executor.max_model_len)
         self.vocab_size = self.executor.vocab_size

@@ -96,7 +96,8 @@ class StepBatch:
 class EngineServer:
     def __init__(self, config: EngineConfig, redis_url: str, dp_rank: int = 0, engine_id: str | None = None,
                  key_prefix: str = "rs", heartbeat_ttl: float = 5.0, drain_timeout: float = 30.0,
-                 dp_lockstep: bool = False):
+                 dp_lockstep: bool = False, worker_address: str | None = None, worker_port: int = 0,
+                 worker_link_timeout: float = 10.0):
         self.config = config
         self.dp_rank = dp_rank
         self.engine_id = engine_id or str(dp_rank)
@@ -124,6 +125,11 @@ class EngineServer:
         self._index_lost = threading.Event()
         self.prefix_index = PrefixIndexWriter(connect(redis_url), self.keys, self.engine_id, ttl=3 * heartbeat_ttl,
                                               on_lost=self._index_lost.set)
+        self.worker_rendezvous = None
+        if config.remote_stages:
+            from worker.remote_stages import WorkerRendezvous
+            self.worker_rendezvous = WorkerRendezvous(redis_url, self.keys, self.engine_id, worker_address,
+                                                      worker_port, worker_link_timeout)
 
     def run(self) -> int:
         """Serve until drained (returns 0) or until the engine fails (returns 1)."""
@@ -139,7 +145,7 @@ class EngineServer:
                                     on_declared_dead=lambda: self.input_queue.put(Rejoin()),
                                     on_restored=self._index_lost.set).start()  # Redis lost the index too
         try:
-            self.core = EngineCore(self.config, dp_rank=self.dp_rank)
+            self.core = EngineCore(self.config, dp_rank=self.dp_rank, rendezvous=self.worker_rendezvous)
         except Exception:
             logger.exception("engine %s failed to start", self.engine_id)
             heartbeat.stop()
@@ -178,7 +184,7 @@ class EngineServer:
     def _register(self) -> None:
         self.incarnation = self.registry.register(
             self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
-                             "pp": self.config.pipeline_parallel_size,
+                             "pp": self.config.pipeline_parallel_size, "remote_stages": self.config.remote_stages,
                              "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl, "presence": 1})
 
     def _mark_ready(self) -> None:

@@ -48,7 +48,8 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size, seed=args.seed)
+        pipeline_parallel_size=args.pipeline_parallel_size, remote_stages=getattr(args, "remote_stages", 0),
+        seed=args.seed)
 
 
 def resolve_model(args: argparse.Namespace) -> None:
@@ -74,9 +75,23 @@ def cmd_engine(args: argparse.Namespace) -> int:
     server = EngineServer(engine_config_from_args(args), args.redis_url, dp_rank=args.dp_rank,
                           engine_id=args.engine_id, key_prefix=args.key_prefix,
                           drain_timeout=args.drain_timeout, heartbeat_ttl=args.heartbeat_ttl,
-                          dp_lockstep=args.dp_lockstep)
+                          dp_lockstep=args.dp_lockstep, worker_address=args.worker_address,
+                          worker_port=args.worker_port, worker_link_timeout=args.worker_link_timeout)
     server.install_signal_handlers()
     return server.run()
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from common.proctitle import set_title
+    from worker.worker_host import WorkerHost
+    if not args.redis_url:
+        sys.exit("redserve worker: --redis-url (or REDSERVE_REDIS_URL) is required")
+    set_title(f"redserve-worker-host-{args.engine_id}")
+    stages = [int(s) for s in args.stages.split(",")] if args.stages else None
+    host = WorkerHost(args.redis_url, args.engine_id, key_prefix=args.key_prefix, stages=stages,
+                      address=args.address, once=args.once)
+    host.install_signal_handlers()
+    return host.run()
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -221,7 +236,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a heartbeat after which clients and the coordinator take this engine for dead")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="run dummy steps while idle in a running DP wave (also on when the coordinator says so)")
+    g = p.add_argument_group("pipeline stages on other hosts (README 'Two hosts')")
+    g.add_argument("--remote-stages", type=int, default=int(os.environ.get("REDSERVE_REMOTE_STAGES", 0)),
+                   help="the last N pipeline stages run on worker hosts (`redserve worker`), not here")
+    g.add_argument("--worker-address", default=None,
+                   help="address the worker hosts connect to (default: this host's address towards Redis)")
+    g.add_argument("--worker-port", type=int, default=0, help="port for the worker hosts (default: any free one)")
+    g.add_argument("--worker-link-timeout", type=float, default=10.0,
+                   help="seconds of silence after which a worker host (or the engine, seen from it) is gone")
     p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("worker", help="run the remote pipeline stages of an engine on this host; joins through "
+                                      "Redis and rejoins each time the engine starts again")
+    _add_redis_args(p)
+    p.add_argument("--engine-id", default="0", help="the engine to join (its id in Redis)")
+    p.add_argument("--stages", default=None,
+                   help="comma-separated pipeline stages to take (default: all the engine's remote stages left)")
+    p.add_argument("--address", default=None,
+                   help="this host's address for the pipeline's gloo/NCCL traffic (default: the one towards "
+                        "the engine)")
+    p.add_argument("--once", action="store_true", help="exit after the engine this host joined stops")
+    p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("coordinator", help="run the DP coordinator (load snapshot, waves, engine liveness); "
                                            "run several: one is active, the others stand by")

@@ -69,10 +69,11 @@ class UniprocExecutor:
         self.runner.kv_caches = []
 
 
-def make_executor(config: EngineConfig, dp_rank: int = 0) -> Executor:
+def make_executor(config: EngineConfig, dp_rank: int = 0, rendezvous=None) -> Executor:
     """``dp_rank`` names the workers and their queues (``worker.multiproc_executor.worker_title``), so the
-    engines of one host stay apart."""
+    engines of one host stay apart; ``rendezvous`` (a ``worker.remote_stages.WorkerRendezvous``) is where
+    worker hosts meet an engine with remote pipeline stages."""
     if config.world_size == 1:
         return UniprocExecutor(config)
     from worker.multiproc_executor import MultiprocExecutor
-    return MultiprocExecutor(config, dp_rank=dp_rank)
+    return MultiprocExecutor(config, dp_rank=dp_rank, rendezvous=rendezvous)

@@ -16,6 +16,11 @@ step without waiting and ``collect_step`` reads the oldest step's reply (replies
 engine can keep one step per stage in flight. Only the last stage samples: the executor keeps each
 request's sampled tokens until the request is next scheduled and sends them with that step, so the other
 stages' runners hold the same token ids.
+
+Stages on other hosts (``config.remote_stages``, ``worker.remote_stages``): the engine spawns only the
+first stages' workers; worker hosts (``redserve worker``) take the rest over the network. Every broadcast
+message is also sent to each host, whose relay writes it into its own shm queue; remote ranks' replies come
+back over the same link. A host that fails or goes silent is a dead worker, as above.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from engine.step_types import (
     runner_output_from_wire,
     scheduler_output_to_wire,
 )
+from worker.remote_stages import RemoteStages, WorkerRendezvous
+from worker.serialization import encode
 from worker.shm_queue import MessageQueue, QueueClosed
 from worker.worker_proc import SHUTDOWN, worker_main
 
@@ -60,7 +67,8 @@ def worker_title(dp_rank: int, rank: int, tp_size: int, pp_size: int) -> str:
 
 
 class MultiprocExecutor:
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, dp_rank: int = 0):
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0, dp_rank: int = 0,
+                 rendezvous: WorkerRendezvous | None = None):
         self.config = config
         self.world_size = config.world_size
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
@@ -69,23 +77,30 @@ class MultiprocExecutor:
         self._unsent_tokens: dict[str, list[int]] | None = {} if config.pipeline_parallel_size > 1 else None
         self.failure: str | None = None
         self._closed = False
+        self.remote: RemoteStages | None = None
+        if config.remote_stages:
+            if rendezvous is None:
+                raise ValueError("remote pipeline stages need Redis to meet their worker hosts (redserve engine)")
+            self.remote = RemoteStages(config, rendezvous, self._fail, startup_timeout, dp_rank)
+        local_size = self.remote.first_rank if self.remote else self.world_size
         tag = f"e{dp_rank}"
-        self.broadcast = MessageQueue.create(self.world_size, tag=tag)
-        self.responses = [MessageQueue.create(1, tag=f"{tag}r{r}", reader_rank=0) for r in range(self.world_size)]
+        self.broadcast = MessageQueue.create(local_size, tag=tag)
+        self.responses: list = [MessageQueue.create(1, tag=f"{tag}r{r}", reader_rank=0) for r in range(local_size)]
         self.rendezvous_dir = tempfile.mkdtemp(prefix=f"redserve-tp-{os.getpid()}-")  # mode 0700
         store_path = os.path.join(self.rendezvous_dir, "store")
+        pp_link = self.remote.pp_link if self.remote else None
         ctx = mp.get_context("spawn")
         self.procs: list[mp.process.BaseProcess] = []
         self._death_writers = []
         ready_readers = []
-        for rank in range(self.world_size):
+        for rank in range(local_size):
             ready_reader, ready_writer = ctx.Pipe(duplex=False)
             death_reader, death_writer = ctx.Pipe(duplex=False)
             title = worker_title(dp_rank, rank, config.tensor_parallel_size, config.pipeline_parallel_size)
             proc = ctx.Process(
                 target=worker_main, name=title, daemon=True,
                 args=(dataclasses.asdict(config), rank, title, store_path,
-                      self.broadcast.handle(), self.responses[rank].handle(), ready_writer, death_reader))
+                      self.broadcast.handle(), self.responses[rank].handle(), ready_writer, death_reader, pp_link))
             proc.start()
             ready_writer.close()
             death_reader.close()
@@ -93,7 +108,12 @@ class MultiprocExecutor:
             self._death_writers.append(death_writer)
             ready_readers.append(ready_reader)
         try:
-            self._wait_ready(ready_readers, startup_timeout)
+            deadline = time.monotonic() + startup_timeout
+            if self.remote:
+                self.remote.admit(deadline)
+                replies = self.remote.replies()
+                self.responses += [replies[rank] for rank in range(local_size, self.world_size)]
+            self._wait_ready(ready_readers, deadline, startup_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -106,14 +126,19 @@ class MultiprocExecutor:
         self.eos_token_ids = info["eos_token_ids"]
         self.vocab_size = info["vocab_size"]
 
-    def _wait_ready(self, readers, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _wait_ready(self, readers, deadline: float, timeout: float) -> None:
         pending = dict(enumerate(readers))
-        while pending:
+        while True:
+            remote_pending = self.remote.not_ready() if self.remote else []
+            if self.failure:
+                raise WorkerDied(self.failure)
+            if not pending and not remote_pending:
+                return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"TP workers {sorted(pending)} not ready after {timeout:.0f}s")
-            for conn in wait(list(pending.values()) + [p.sentinel for p in self.procs], timeout=left):
+                raise TimeoutError(f"workers {sorted(pending) + remote_pending} not ready after {timeout:.0f}s")
+            wait_for = min(left, 0.5) if self.remote else left
+            for conn in wait(list(pending.values()) + [p.sentinel for p in self.procs], timeout=wait_for):
                 rank = next((r for r, c in pending.items() if c is conn), None)
                 if rank is None:
                     dead = [p for p in self.procs if not p.is_alive()]
@@ -130,11 +155,17 @@ class MultiprocExecutor:
 
     def _monitor(self) -> None:
         sentinels = {p.sentinel: p for p in self.procs}
-        ready = wait(list(sentinels))
-        if self._closed:
+        if not sentinels:
             return
+        ready = wait(list(sentinels))
         proc = sentinels[ready[0]]
-        self.failure = f"TP worker {proc.name} (pid {proc.pid}) died with exit code {proc.exitcode}"
+        self._fail(f"TP worker {proc.name} (pid {proc.pid}) died with exit code {proc.exitcode}")
+
+    def _fail(self, reason: str) -> None:
+        """A worker (local or on a worker host) is gone: pending and later calls raise WorkerDied."""
+        if self._closed or self.failure:
+            return
+        self.failure = reason
         logger.error("%s; the engine cannot continue", self.failure)
         self.broadcast.close()
 
@@ -188,11 +219,16 @@ class MultiprocExecutor:
             unsent.pop(new.req_id, None)
         return {req_id: unsent.pop(req_id) for req_id in sched.num_scheduled_tokens if req_id in unsent}
 
-    def _send(self, message: list) -> None:
+    def _send(self, message: list, timeout: float = 60) -> None:
         if self.failure:
             raise WorkerDied(self.failure)
         try:
-            self.broadcast.enqueue(message, timeout=60)
+            if self.remote is None:
+                self.broadcast.enqueue(message, timeout=timeout)
+            else:
+                payload = encode(message)
+                self.remote.send(payload)
+                self.broadcast.enqueue_bytes(payload, timeout=timeout)
         except QueueClosed:
             raise WorkerDied(self.failure or "TP workers are shut down") from None
 
@@ -216,7 +252,7 @@ class MultiprocExecutor:
         self._closed = True
         if not self.failure:
             with contextlib.suppress(QueueClosed, TimeoutError):
-                self.broadcast.enqueue([SHUTDOWN, [], None], timeout=2)
+                self._send([SHUTDOWN, [], None], timeout=2)
         for conn in self._death_writers:
             conn.close()
         deadline = time.monotonic() + 5
@@ -228,5 +264,7 @@ class MultiprocExecutor:
         self.broadcast.close()
         for queue in self.responses:
             queue.close()
+        if self.remote is not None:
+            self.remote.close()
         shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
         logger.info("TP workers of pid %d stopped", os.getpid())

@@ -16,6 +16,10 @@ Rules (nothing of TP setup is reachable from the network):
   its server listens on every interface whatever host it is given.
 - gloo's and NCCL's own connections between ranks bind the loopback interface
   (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``): every rank of a TP group is on this host.
+- Stages on other hosts (``redserve worker``, see ``worker.worker_host``): then ``pp_link`` names the
+  pipeline group's rendezvous, a ``worker.redis_store.RedisStore`` under a prefix drawn per engine start,
+  and the address of this host's interface towards the others; the pipeline group's gloo device binds that
+  address (NCCL: its interface). TP groups stay on this host and keep the file store and loopback.
 - Nothing unpickles what a peer sends: no ``*_object*`` collective is used.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -75,9 +80,11 @@ def init_tensor_parallel(rank: int, size: int, store_path: str, device: torch.de
     init_model_parallel(rank, size, 1, store_path, device)
 
 
-def init_model_parallel(rank: int, tp_size: int, pp_size: int, store_path: str, device: torch.device) -> None:
+def init_model_parallel(rank: int, tp_size: int, pp_size: int, store_path: str, device: torch.device,
+                        pp_link: dict | None = None) -> None:
     """Join the TP group of this worker's stage and, for PP > 1, the pipeline's point-to-point group.
-    ``rank`` is the worker's global rank (``stage * tp_size + tp_rank``)."""
+    ``rank`` is the worker's global rank (``stage * tp_size + tp_rank``); ``pp_link`` (stages on several
+    hosts): ``{"redis_url", "prefix", "address", "timeout"}``, see the module rules."""
     global _TP, _PP, _SHM, _PP_PROCESS_GROUP
     stage, tp_rank = divmod(rank, tp_size)
     _TP, _PP = TPGroup(tp_rank, tp_size), PPGroup(stage, pp_size, tp_size)
@@ -85,7 +92,9 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, store_path: str, 
         return
     os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK_INTERFACE
     store = dist.FileStore(store_path, tp_size * pp_size)
-    if pp_size > 1:
+    if pp_size > 1 and pp_link is not None:
+        _PP_PROCESS_GROUP = _cross_host_group(pp_link, rank, tp_size * pp_size, device)
+    elif pp_size > 1:
         _PP_PROCESS_GROUP = _point_to_point_group(dist.PrefixStore("pp", store), rank, tp_size * pp_size, device)
     if tp_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -100,6 +109,23 @@ def _point_to_point_group(store, rank: int, size: int, device: torch.device):
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(store, rank, size)
     return dist.ProcessGroupGloo(store, rank, size)
+
+
+def _cross_host_group(link: dict, rank: int, size: int, device: torch.device):
+    """The pipeline group of stages on several hosts (see the module rules)."""
+    from worker.redis_store import RedisStore
+    timeout = timedelta(seconds=link["timeout"])
+    store = RedisStore(link["redis_url"], link["prefix"], timeout=link["timeout"])
+    if device.type == "cuda":
+        from worker.remote_link import interface_of
+        os.environ["NCCL_SOCKET_IFNAME"] = interface_of(link["address"]) or LOOPBACK_INTERFACE
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=link["address"])]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def destroy_tensor_parallel() -> None:

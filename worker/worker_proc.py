@@ -47,8 +47,12 @@ def _watch_parent(death_reader: Connection, segments: list[str], rendezvous_dir:
 
 
 def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, broadcast: QueueHandle,
-                response: QueueHandle, ready_writer: Connection, death_reader: Connection) -> None:
-    """Entry point of the spawned process."""
+                response: QueueHandle, ready_writer: Connection, death_reader: Connection,
+                pp_link: dict | None = None, local_rank: int | None = None) -> None:
+    """Entry point of the spawned process. ``local_rank`` is the worker's index on its host (its reader rank
+    on the broadcast queue and its CUDA device), ``rank`` when all ranks are on one host; ``pp_link`` joins a
+    pipeline that spans hosts (``worker.parallel_state``)."""
+    local_rank = rank if local_rank is None else local_rank
     set_title(title)
     logging.basicConfig(level=os.environ.get("REDSERVE_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s %(levelname)s {title}[%(process)d]: %(message)s")
@@ -58,20 +62,20 @@ def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, 
         engine_config = EngineConfig(**config)
         device = torch.device(engine_config.device)
         if device.type == "cuda":
-            if rank >= torch.cuda.device_count():
-                raise RuntimeError(f"worker rank {rank} needs cuda:{rank} but {torch.cuda.device_count()} CUDA devices "
-                                   f"are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
-            torch.cuda.set_device(rank)
-            engine_config.device = f"cuda:{rank}"
+            if local_rank >= torch.cuda.device_count():
+                raise RuntimeError(f"worker rank {rank} needs cuda:{local_rank} but {torch.cuda.device_count()} CUDA "
+                                   f"devices are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})")
+            torch.cuda.set_device(local_rank)
+            engine_config.device = f"cuda:{local_rank}"
             device = torch.device(engine_config.device)
         else:
             # The engine's share of the cores (the stack sets OMP_NUM_THREADS per DP engine), split over its ranks.
             cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-            torch.set_num_threads(max(1, cores // engine_config.world_size))
+            torch.set_num_threads(max(1, cores // broadcast.n_readers))
         init_model_parallel(rank, engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size,
-                            store_path, device)
+                            store_path, device, pp_link)
         runner = ModelRunner(engine_config)
-        inbox = MessageQueue.attach(broadcast, rank)
+        inbox = MessageQueue.attach(broadcast, local_rank)
         outbox = MessageQueue.attach_writer(response)
     except Exception as exc:
         ready_writer.send({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
