@@ -21,6 +21,9 @@ Rules:
   through the executor: no KV cache is touched; with TP > 1 it is one broadcast to the workers.
   redserve's dense models have no such collectives, so lockstep only costs a little CPU here.
 - Redis errors never escape: waves are bookkeeping, serving goes on without them (logged once).
+  A read blocks the busy loop for up to the client's timeout, so after a failed read the next one waits
+  `RETRY_MIN` s, doubling up to `RETRY_MAX` while Redis stays unreachable (a cut link stalls a step
+  at most once per backoff, not every `poll_interval`).
   Nor does garbage: a `rs:wave` that is not a wave number (an int in [0, 2**63)) or not a string reads
   as "no news" and a bad member of `rs:engines` gets no StartWave (both logged, rate-limited).
 """
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT = 0.5  # how long an idle engine outside any wave blocks on its input queue
+RETRY_MIN, RETRY_MAX = 1.0, 10.0  # seconds between wave reads while Redis fails (see the rules)
 
 
 class DpWaves:
@@ -70,6 +74,8 @@ class DpWaves:
         self._changed = False
         self._next_poll = 0.0
         self._failing = False
+        self._retry_at = 0.0
+        self._retry_wait = 0.0
 
     def load(self) -> None:
         """Read the current wave and the lockstep setting (at startup)."""
@@ -148,8 +154,10 @@ class DpWaves:
         return sent
 
     def _read(self) -> int | None:
-        """GET the wave counter and the coordinator's lockstep flag; None if Redis failed."""
+        """GET the wave counter and the coordinator's lockstep flag; None if Redis failed (or is in backoff)."""
         self._next_poll = self._clock() + self.poll_interval
+        if self._failing and self._clock() < self._retry_at:
+            return None
         try:
             p = self._redis.pipeline(transaction=False)
             p.get(self.keys.wave())
@@ -161,8 +169,10 @@ class DpWaves:
         except redis.RedisError as e:
             (logger.debug if self._failing else logger.warning)("engine %s: cannot read the DP wave: %s", self.engine_id, e)
             self._failing = True
+            self._retry_wait = min(RETRY_MAX, max(RETRY_MIN, 2 * self._retry_wait))
+            self._retry_at = self._clock() + self._retry_wait
             return None
-        self._failing = False
+        self._failing, self._retry_wait = False, 0.0
         self.lockstep = self.lockstep_forced or raw_lockstep == b"1"
         if raw_wave is None:
             return 0

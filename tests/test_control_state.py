@@ -298,3 +298,44 @@ def test_a_stray_coordinator_lock_is_cleared_not_obeyed_for_ever(stray, redis_cl
     assert lock.acquire() and r.get(keys.coordinator_lock()) == b"me"
     other = LeaderLock(r, keys.coordinator_lock(), "other", ttl=2.0)
     assert not other.acquire(), "a live holder's lock (a string with a TTL) is never cleared"
+
+
+def test_an_unreachable_redis_is_read_with_backoff_not_every_poll():
+    """A wave read blocks the busy loop for the client's timeout: while Redis fails, reads back off (1, 2, 4,
+    8, 10, 10 s ...) instead of running every poll_interval, and resume at the poll rate once it answers."""
+    class Unreachable:
+        def __init__(self) -> None:
+            self.reads = 0
+            self.down = True
+
+        def pipeline(self, transaction: bool = False):
+            owner = self
+
+            class Pipe:
+                def get(self, key): pass
+                def hget(self, key, field): pass
+
+                def execute(self, raise_on_error: bool = True):
+                    owner.reads += 1
+                    if owner.down:
+                        raise redis.ConnectionError("Timeout connecting to server")
+                    return [b"3", None]
+            return Pipe()
+
+    now = [0.0]
+    server = Unreachable()
+    waves = DpWaves(server, RedisKeys("t"), "0", poll_interval=0.1, clock=lambda: now[0])
+    waves.update(busy=True)  # joins a wave: reads once
+    while now[0] < 40.0:  # 400 busy-loop iterations of 0.1 s
+        now[0] += 0.1
+        waves.update(busy=True)
+    assert server.reads <= 8, server.reads  # 1 + retries at ~1, 3, 7, 15, 25, 35 s; without backoff ~400
+    server.down = False
+    now[0] += 10.1
+    waves.update(busy=True)
+    assert waves.wave == 3
+    reads = server.reads
+    for _ in range(10):
+        now[0] += 0.1
+        waves.update(busy=True)
+    assert server.reads - reads >= 9  # back to one read per poll
