@@ -29,12 +29,14 @@ def visible_devices(environ: Mapping[str, str], cuda_device_count: int) -> list[
 
 
 def engine_cuda_devices(dp_rank: int, tp_size: int, devices: list[str]) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` value of engine ``dp_rank``: its TP group's slice of ``devices``."""
+    """The ``CUDA_VISIBLE_DEVICES`` value of engine ``dp_rank``: its slice of ``devices`` (``tp_size`` is the
+    engine's worker count, TP x PP)."""
     start = dp_rank * tp_size
     if start + tp_size > len(devices):
-        raise ValueError(f"engine {dp_rank} needs devices {start}..{start + tp_size - 1} (TP {tp_size}) but only "
-                         f"{len(devices)} are visible ({','.join(devices) or 'none'}); lower --data-parallel-size "
-                         f"or --tensor-parallel-size, or set CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"engine {dp_rank} needs devices {start}..{start + tp_size - 1} ({tp_size} workers: TP x PP) "
+                         f"but only {len(devices)} are visible ({','.join(devices) or 'none'}); lower "
+                         f"--data-parallel-size, --tensor-parallel-size or --pipeline-parallel-size, or set "
+                         f"CUDA_VISIBLE_DEVICES")
     return ",".join(devices[start:start + tp_size])
 
 

@@ -426,3 +426,31 @@ def test_pp_stage_on_host_b_gives_pp1_tokens_fails_on_a_cut_link_and_rejoins(sta
           f"{time.monotonic() - restored_at:.2f} s after the link came back")
     assert complete(stack, max_tokens=12, prompt=prompt)["choices"][0]["text"] == reference
     assert host.poll() is None
+
+
+@pytest.mark.skipif(os.environ.get("REDSERVE_MEASURE_HOP") != "1",
+                    reason="a measurement, not a check: REDSERVE_MEASURE_HOP=1 pytest -s -k pp_hop_cost")
+def test_pp_hop_cost_per_step(stack: Stack) -> None:
+    """TPOT at c=1 of a PP=2 engine with both stages on host A, then with stage 1 on host B (steps, replies and
+    hidden states cross the veth hop); interleaved rounds, medians (asserts only that the streams complete)."""
+    def median_tpot(rounds: int = 3) -> float:
+        stream_tpot(stack, 16)  # warm up
+        return sorted(stream_tpot(stack, 64) for _ in range(rounds))[rounds // 2]
+
+    pp = ("--pipeline-parallel-size", "2")
+    results: dict[str, list[float]] = {"PP=2 on A": [], "PP=2, stage 1 on B": []}
+    stack.cli("worker-b", stack.b, "worker", "--redis-url", stack.redis_url, "--engine-id", "remote")
+    for _ in range(2):
+        stack.start_engine("local", stack.a, *pp)
+        stack.wait_ready("local")
+        stack.wait_api()
+        results["PP=2 on A"].append(median_tpot())
+        stack.stop("engine-local")
+        stack.start_engine("remote", stack.a, *pp, "--remote-stages", "1")
+        stack.wait_ready("remote")
+        results["PP=2, stage 1 on B"].append(median_tpot())
+        stack.stop("engine-remote")
+    print("\nmultihost: TPOT at c=1 (median of rounds): "
+          + ", ".join(f"{name} {sorted(v)[len(v) // 2] * 1e3:.2f} ms ({', '.join(f'{x * 1e3:.2f}' for x in v)})"
+                      for name, v in results.items())
+          + f"; load average {os.getloadavg()[0]:.1f}")

@@ -55,7 +55,7 @@ OUTPUT_RANK = 0  # without pipeline parallelism
 
 
 class WorkerDied(RuntimeError):
-    """A TP worker process exited; the engine cannot continue."""
+    """A worker process (TP rank or pipeline stage, here or on a worker host) exited; the engine cannot continue."""
 
 
 def worker_title(dp_rank: int, rank: int, tp_size: int, pp_size: int) -> str:
@@ -148,9 +148,9 @@ class MultiprocExecutor:
                 try:
                     msg = conn.recv()
                 except EOFError:
-                    raise WorkerDied(f"TP worker {rank} closed its ready pipe during startup") from None
+                    raise WorkerDied(f"worker {rank} closed its ready pipe during startup") from None
                 if msg["status"] != "ready":
-                    raise RuntimeError(f"TP worker {rank} failed to start: {msg['error']}\n{msg.get('traceback', '')}")
+                    raise RuntimeError(f"worker {rank} failed to start: {msg['error']}\n{msg.get('traceback', '')}")
                 del pending[rank]
 
     def _monitor(self) -> None:
@@ -159,7 +159,7 @@ class MultiprocExecutor:
             return
         ready = wait(list(sentinels))
         proc = sentinels[ready[0]]
-        self._fail(f"TP worker {proc.name} (pid {proc.pid}) died with exit code {proc.exitcode}")
+        self._fail(f"worker {proc.name} (pid {proc.pid}) died with exit code {proc.exitcode}")
 
     def _fail(self, reason: str) -> None:
         """A worker (local or on a worker host) is gone: pending and later calls raise WorkerDied."""
@@ -180,7 +180,7 @@ class MultiprocExecutor:
         for rank in ranks:
             status, value = self._receive(rank, timeout)
             if status != "ok":
-                raise RuntimeError(f"{method} failed on TP rank {rank}: {value}")
+                raise RuntimeError(f"{method} failed on worker rank {rank}: {value}")
             results.append(value)
         return results
 
@@ -230,7 +230,7 @@ class MultiprocExecutor:
                 self.remote.send(payload)
                 self.broadcast.enqueue_bytes(payload, timeout=timeout)
         except QueueClosed:
-            raise WorkerDied(self.failure or "TP workers are shut down") from None
+            raise WorkerDied(self.failure or "the workers are shut down") from None
 
     def _receive(self, rank: int, timeout: float | None) -> list:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -241,10 +241,10 @@ class MultiprocExecutor:
                 return self.responses[rank].dequeue(timeout=0.5)
             except QueueClosed:
                 time.sleep(0.2)
-                raise WorkerDied(self.failure or f"TP rank {rank} stopped answering") from None
+                raise WorkerDied(self.failure or f"worker rank {rank} stopped answering") from None
             except TimeoutError:
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"TP rank {rank} did not reply within {timeout}s") from None
+                    raise TimeoutError(f"worker rank {rank} did not reply within {timeout}s") from None
 
     def shutdown(self) -> None:
         if self._closed:
@@ -267,4 +267,4 @@ class MultiprocExecutor:
         if self.remote is not None:
             self.remote.close()
         shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
-        logger.info("TP workers of pid %d stopped", os.getpid())
+        logger.info("workers of engine pid %d stopped", os.getpid())
