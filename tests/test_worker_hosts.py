@@ -1,7 +1,7 @@
 """Pipeline stages on a worker host (`redserve worker`), on this machine's loopback: the link's handshake and
 liveness, the Redis rendezvous store, and the whole path: an engine whose last stage a worker host runs gives
 the tokens of PP=1, a dead worker on the host ends the engine's requests and leaves nothing behind, and the
-host rejoins the engine's next start by itself. (`tests/test_multihost.py` runs the same across network
+host rejoins the engine's next start by itself, whatever its layout (PP=2, then PP=2 x TP=2). (`tests/test_multihost.py` runs the same across network
 namespaces, with a cut link.)"""
 
 from __future__ import annotations
@@ -215,9 +215,11 @@ def test_a_worker_host_runs_the_last_stage_fails_with_its_worker_and_rejoins(tin
         wait_for(lambda: not redis_client.exists(redis_keys.engine_workers("0")), 10, "the workers key to go")
         assert host.poll() is None, "the worker host must outlive its engine"
 
-        # The engine starts again (as its supervisor would): the host joins the new start by itself.
-        engine = _cli(*engine_argv)
+        # The engine starts again (as its supervisor would), now with TP = 2 inside each stage: the host joins the
+        # new start by itself and runs what the engine's config says (ranks 2 and 3, a TP group of its own).
+        engine = _cli(*engine_argv, "--tensor-parallel-size", "2")
         wait_engine_ready(client, engine)
+        assert sorted(_workers(host.pid)) == ["redserve-worker-0-1-0", "redserve-worker-0-1-1"]
         assert _generate(client, "b") == pp1_tokens
     finally:
         client.stop()
