@@ -84,10 +84,12 @@ def _add_engine_details(r: redis.Redis, keys: RedisKeys, engines: list[dict], lb
         p.xlen(keys.request_stream(e["engine_id"]))
         p.xpending(keys.request_stream(e["engine_id"]), keys.consumer_group)
         p.scard(keys.engine_blocks(e["engine_id"]))
+        p.hmget(keys.engine_workers(e["engine_id"]), "address", "port", "stages", "hosts")
     replies = p.execute(raise_on_error=False)
     routing = read_routing_counts(r, keys)
     for i, e in enumerate(engines):
-        pttl, length, pending, indexed = replies[4 * i: 4 * i + 4]
+        pttl, length, pending, indexed, workers = replies[5 * i: 5 * i + 5]
+        e["worker_hosts"] = _worker_hosts(workers, keys.engine_workers(e["engine_id"]))
         e["prefix_index_blocks"] = indexed if isinstance(indexed, int) else None
         e["routed"] = {"cache": 0, "load": 0, **routing.get(e["engine_id"], {})}
         ttl = e.get("heartbeat_ttl")
@@ -99,6 +101,20 @@ def _add_engine_details(r: redis.Redis, keys: RedisKeys, engines: list[dict], lb
         load = lb.get(e["engine_id"])
         e["lb"] = None if load is None else {"waiting": load.waiting, "running": load.running,
                                              "kv_usage": load.kv_usage, "age_s": round(now - load.ts, 2)}
+
+
+def _worker_hosts(reply: Any, key: str) -> dict[str, Any] | None:
+    """An engine's remote pipeline stages (never the link key), or None if it has none."""
+    if not isinstance(reply, list) or reply[0] is None:
+        return None
+    address, port, stages, hosts = (utf8(v) if isinstance(v, bytes) else None for v in reply)
+    try:
+        joined = json.loads(hosts) if hosts else []
+        joined = [{k: h.get(k) for k in ("host", "stages", "state")} for h in joined if isinstance(h, dict)]
+    except ValueError:
+        warn_bad(key, "ignoring field hosts of %s: not JSON", key)
+        joined = []
+    return {"listen": f"{address}:{port}", "stages": stages, "hosts": joined}
 
 
 def _dead_engines(r: redis.Redis, keys: RedisKeys, registered: set[str]) -> list[dict[str, Any]]:
@@ -177,6 +193,13 @@ def format_status(s: dict[str, Any]) -> str:
     lines.append("  (wave*: the engine is in a running wave; stream = XLEN, pending = XPENDING: requests in flight;")
     lines.append("   prefix hit = prompt tokens found in its prefix cache / looked up; index = block hashes it")
     lines.append("   publishes for cache-aware routing; routed c/l = requests sent to it for its cache / its load)")
+    remote = [e for e in s["engines"] if e.get("worker_hosts")]
+    if remote:
+        lines += ["", "remote pipeline stages (redserve worker):"]
+        lines += _table(["engine", "stages", "listens", "worker hosts (stages, state)"],
+                        [[e["engine_id"], e["worker_hosts"]["stages"], e["worker_hosts"]["listen"],
+                          ", ".join(f"{h['host']} ({h['stages']}, {h['state']})" for h in e["worker_hosts"]["hosts"])
+                          or "none yet"] for e in remote])
     if s["dead_engines"]:
         lines += ["", f"other engine records: dead, or not valid registrations ({len(s['dead_engines'])}):"]
         lines += _table(["id", "state", "host/pid", "dead_at"],

@@ -6,6 +6,7 @@ namespaces, with a cut link.)"""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -24,6 +25,7 @@ from stack_procs import process_tree, title, wait_for
 from broker.client import BrokerClient
 from broker.sampling_params import SamplingParams
 from engine import LLM
+from redserve.status import collect_status, format_status
 from worker.redis_store import RedisStore, clear
 from worker.remote_link import CONTROL, HEARTBEAT, REPLY, STEP, Link, LinkClosed, new_key, split_reply
 
@@ -195,6 +197,11 @@ def test_a_worker_host_runs_the_last_stage_fails_with_its_worker_and_rejoins(tin
         assert sorted(host_workers) == ["redserve-worker-0-1-0"]
         published = {k.decode(): v.decode() for k, v in redis_client.hgetall(redis_keys.engine_workers("0")).items()}
         assert published["stages"] == "1" and published["address"] == "127.0.0.1" and len(published["key"]) == 64
+        status = collect_status(redis_client, redis_keys)
+        hosts = status["engines"][0]["worker_hosts"]["hosts"]
+        assert [(h["stages"], h["state"]) for h in hosts] == [([1], "ready")]
+        assert "remote pipeline stages" in format_status(status)
+        assert published["key"] not in json.dumps(status, default=str), "status must not show the link key"
         assert _generate(client, "a") == pp1_tokens
 
         # A worker on the host dies mid-stream: the engine ends its requests and exits; nothing is left over.

@@ -6,7 +6,8 @@ An engine started with ``remote_stages = k`` runs the first ``P - k`` stages' wo
 
 1. Listen on ``address:port`` (the address of the interface that routes to Redis unless given; port 0 picks
    a free one) and publish ``rs:engine:{id}:workers``: address, port, a fresh link key, a fresh nonce (the
-   pipeline store's prefix, ``worker.redis_store``), the stages to take, tp, pp and the link timeout.
+   pipeline store's prefix, ``worker.redis_store``), the stages to take, tp, pp and the link timeout; field
+   ``hosts`` (JSON) lists the hosts that joined, their stages, ranks and state, as they join and get ready.
 2. Admit hosts until every remote stage is taken: a host proves the key (``worker.remote_link``), says
    which stages it takes (none named: all that are left), and gets the engine config, its global ranks and
    the rendezvous prefix; a host asking for a taken or unknown stage is told why and dropped.
@@ -23,6 +24,7 @@ An engine started with ``remote_stages = k`` runs the first ``P - k`` stages' wo
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import secrets
@@ -156,6 +158,7 @@ class RemoteStages:
             if host is not None:
                 left -= set(host.stages)
                 self.hosts.append(host)
+                self._record_hosts()
                 threading.Thread(target=self._read, args=(host,), name=f"worker-host-{host.name}",
                                  daemon=True).start()
         self.listener.close()
@@ -227,6 +230,7 @@ class RemoteStages:
                     message = decode_control(payload)
                     if message["type"] == "ready":
                         host.state = "ready"
+                        self._record_hosts()
                     elif message["type"] == "failed":
                         host.state, host.error = "failed", str(message.get("error", "?"))
                         raise LinkClosed(host.error)
@@ -235,6 +239,12 @@ class RemoteStages:
         except LinkClosed as exc:
             if not self._closed:
                 self._fail(host, str(exc))
+
+    def _record_hosts(self) -> None:
+        """The joined hosts, for `redserve status` and redis-cli: field ``hosts`` of the workers key (JSON)."""
+        hosts = [{"host": h.name, "stages": h.stages, "ranks": h.ranks, "state": h.state} for h in self.hosts]
+        with contextlib.suppress(redis.RedisError):
+            self.redis.hset(self.rdzv.keys.engine_workers(self.rdzv.engine_id), "hosts", json.dumps(hosts))
 
     def _fail(self, host: _Host, reason: str) -> None:
         if self.failed or self._closed:
