@@ -18,7 +18,8 @@ deployments share one Redis. Layout, for prefix "rs" (all inspectable with plain
                                         refreshed by the heartbeat
     rs:engine:{engine}:workers hash     where worker hosts join the engine's remote pipeline stages
                                         (`redserve worker`, worker.remote_stages): address, port, key
-                                        (the link's HMAC key), nonce, stages, tp, pp, link_timeout;
+                                        (the link's HMAC key), nonce, stages, tp, pp, link_timeout,
+                                        hosts (JSON: joined worker hosts);
                                         written at engine start, deleted at its shutdown
     rs:engine:{engine}:rdzv:{nonce}:*  string  torch.distributed store of a pipeline spanning hosts
                                         (worker.redis_store; gloo/NCCL rendezvous), 10 min TTL, deleted
