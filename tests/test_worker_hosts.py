@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from engine_helpers import requires_devices
 from parallel_helpers import shm_segments, submit, wait_engine_ready, wait_gone
 from stack_procs import process_tree, title, wait_for
 
@@ -182,6 +183,7 @@ def _generate(client: BrokerClient, tag: str) -> list[list[int]]:
     return results
 
 
+@requires_devices(4)  # on CUDA: the engine and the "other host" share this machine's GPUs (TP=2 x PP=2 at the end)
 def test_a_worker_host_runs_the_last_stage_fails_with_its_worker_and_rejoins(tiny_llama_dir, redis_url, redis_keys,
                                                                           redis_client, pp1_tokens) -> None:
     common = ("--redis-url", redis_url, "--key-prefix", redis_keys.prefix)
