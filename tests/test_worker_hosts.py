@@ -28,7 +28,18 @@ from broker.sampling_params import SamplingParams
 from engine import LLM
 from redserve.status import collect_status, format_status
 from worker.redis_store import RedisStore, clear
-from worker.remote_link import CONTROL, HEARTBEAT, REPLY, STEP, Link, LinkClosed, new_key, split_reply
+from worker.remote_link import (
+    CONTROL,
+    HEARTBEAT,
+    REPLY,
+    STEP,
+    Link,
+    LinkClosed,
+    interface_of,
+    local_address_towards,
+    new_key,
+    split_reply,
+)
 
 PROMPTS = [[5, 17, 99, 4, 250, 31], list(range(40, 140)), [7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -234,3 +245,9 @@ def test_a_worker_host_runs_the_last_stage_fails_with_its_worker_and_rejoins(tin
         client.stop()
         _stop(engine)
         _stop(host)
+
+
+def test_the_address_towards_a_peer_and_its_interface_are_found() -> None:
+    assert local_address_towards("127.0.0.1", 6379) == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"  # NCCL_SOCKET_IFNAME for a pipeline across hosts on CUDA
+    assert interface_of("198.18.255.254") is None
