@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.packed_gemm import MIN_ROWS, pack_for_gemm, packed_linear
+from worker.layers.small_gemm import linear
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
 
@@ -54,7 +55,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + size].copy_(_as_tensor(piece))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -74,7 +75,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_as_tensor(loaded[:, rank * n:(rank + 1) * n]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -108,7 +109,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head split by vocabulary; logits are gathered to every rank (all ranks sample alike).
 
     On the CPU, from `MIN_ROWS` rows, the shard is multiplied through a oneDNN-packed copy made at the first
-    call after loading (`worker.layers.packed_gemm`); elsewhere, or where packing is off, ``F.linear``. Loading a shard, or
+    call after loading (`worker.layers.packed_gemm`); elsewhere, or where packing is off, ``linear``
+    (`worker.layers.small_gemm`: its kernel at a few rows, else ``F.linear``). Loading a shard, or
     tying the head to the embedding (a new Parameter), makes the copy again at the next call."""
 
     _packed: torch.Tensor | None = None
@@ -122,7 +124,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self._packed_from != self.weight.data_ptr():
             self._packed, self._packed_from = pack_for_gemm(self.weight), self.weight.data_ptr()
         if self._packed is None or hidden.dtype != self.weight.dtype or hidden.numel() < MIN_ROWS * hidden.shape[-1]:
-            return F.linear(hidden, self.weight)
+            return linear(hidden, self.weight)
         return packed_linear(hidden, self._packed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""``x @ W^T (+ b)`` for decode at small batch through the ``small_gemm`` C++ kernel
+(worker/kernels/csrc/small_gemm.cpp), ``F.linear`` otherwise.
+
+Why: at one to a few rows a linear layer is a matrix-vector product bound by reading W from memory, and
+the BLAS behind ``F.linear`` (MKL on an AMD CPU) reads it well below the memory bandwidth and takes a
+matrix-matrix path from two rows on. Measured on a 2-core AVX2 EPYC (shared, loaded), one thread's CPU
+time, float32, the tiny model's 33 projections of one decode step, 111 MB of weights
+(benchmarks/bench_small_gemm.py --rows 1,2,4,8,16,32), ms per step F.linear -> kernel: 1 row 17.8 -> 13.1,
+2 rows 34.3 -> 13.9, 4 rows 35.5 -> 16.3, 8 rows 48.5 -> 22.0, 16 rows 47.7 -> 35.6, 32 rows 67.5 -> 63.9
+(a wash, hence ``MAX_ROWS``). An earlier quieter run: 1 row 13.3 -> 13.0 / 16.6 -> 10.5 in two sittings.
+
+Rules:
+- The kernel serves float32 CPU tensors, x 2-D [M, K] with M <= ``MAX_ROWS`` and contiguous, W contiguous;
+  everything else (more rows, bfloat16, CUDA, no compiler, ``REDSERVE_NO_KERNELS`` naming ``small_gemm``)
+  goes to ``F.linear``.
+- Results equal ``F.linear``'s to summation order (tests/test_small_gemm.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.kernels import load_extension
+
+MAX_ROWS = 16  # more rows: F.linear's GEMM
+
+
+def small_gemm_kernel():
+    """The compiled kernel module, or None (one warning line) where it cannot be built."""
+    return load_extension("small_gemm")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the kernel where the module rules allow."""
+    if (x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.device.type != "cpu" or not (x.is_contiguous() and weight.is_contiguous())):
+        return F.linear(x, weight, bias)
+    kernel = small_gemm_kernel()
+    if kernel is None:
+        return F.linear(x, weight, bias)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    kernel.small_linear(out, x, weight, bias)
+    return out
