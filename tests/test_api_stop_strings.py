@@ -81,7 +81,7 @@ def test_include_stop_str_does_not_hold_back() -> None:
 
 @pytest.mark.parametrize("bad", [[""], [3]])
 def test_bad_stop_strings(bad: list) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^stop strings must be non-empty strings$"):
         StopStringMatcher(bad)
 
 
@@ -98,3 +98,38 @@ def test_include_stop_str_split_across_many_short_pieces() -> None:
     out, stop = feed_all(m, ["x", "<", "E", "N", "D", ">", "tail"])
     assert stop == "<END>"
     assert "".join(out) == "x<END>"
+
+
+def test_first_occurrence_in_a_piece_wins_over_a_later_one() -> None:
+    out, stop = feed_all(StopStringMatcher(["END"]), ["one END two END three"])
+    assert (out, stop) == (["one "], "END")
+    out, stop = feed_all(StopStringMatcher(["END"], include_stop_str_in_output=True), ["one END two END"])
+    assert (out, stop) == (["one END"], "END")
+
+
+def test_tie_at_one_position_goes_to_the_stop_string_listed_first() -> None:
+    assert feed_all(StopStringMatcher(["ab", "abc"]), ["xabcd"]) == (["x"], "ab")
+    assert feed_all(StopStringMatcher(["abc", "ab"]), ["xabcd"]) == (["x"], "abc")
+    included = StopStringMatcher(["abc", "ab"], include_stop_str_in_output=True)
+    assert included.feed("xabcd") == ("xabc", "abc")
+
+
+def test_include_stop_str_emits_nothing_after_the_match() -> None:
+    m = StopStringMatcher(["STOP"], include_stop_str_in_output=True)
+    assert m.feed("go STOP there") == ("go STOP", "STOP")
+    assert m.feed("more") == ("", "STOP")
+    assert m.flush() == ""
+
+
+def test_include_stop_str_with_a_one_character_stop_string() -> None:
+    m = StopStringMatcher(["X"], include_stop_str_in_output=True)
+    assert m.feed("ab") == ("ab", None)
+    assert m.feed("cd") == ("cd", None)
+    assert m.feed("eXf") == ("eX", "X")
+
+
+def test_flush_releases_the_held_text_once() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", None)
+    assert m.flush() == "ST"
+    assert m.flush() == ""

@@ -6,7 +6,7 @@ import pytest
 
 import engine.block_manager as bm_module
 from broker.sampling_params import SamplingParams
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, CacheEvents
 from engine.request import Request
 
 BS = 4
@@ -242,4 +242,67 @@ def test_incremental_caching_across_chunks_and_decodes() -> None:
 
 def test_rejects_empty_pool() -> None:
     with pytest.raises(ValueError):
+        BlockManager(0, BS)
+
+
+def test_cache_events_are_truthy_exactly_when_something_changed() -> None:
+    bm = BlockManager(2, BS)
+    assert bm.take_events() == CacheEvents()  # not tracking: always empty
+    bm.track_events()
+    assert bm.take_events() == CacheEvents(cleared=True)
+    assert bm.take_events() == CacheEvents()  # nothing since: the engine publishes nothing
+    a = make_request("a", list(range(100, 105)))
+    compute_all(bm, a)
+    stored = bm.take_events()
+    assert stored and stored.stored and not stored.removed  # a store alone is something to publish
+    bm.free(a)
+    compute_all(bm, make_request("b", list(range(200, 208))))  # takes both blocks: evicts a's cached one
+    removed = bm.take_events()
+    assert set(removed.removed) == set(stored.stored)
+    evicted_only = CacheEvents(removed=removed.removed)
+    assert evicted_only and CacheEvents(cleared=True) and not CacheEvents()
+
+
+def test_a_request_that_reused_a_prefix_caches_its_own_new_blocks() -> None:
+    bm = BlockManager(16, BS)
+    compute_all(bm, make_request("a", list(range(100, 109))))  # caches blocks 100.. and 104..
+    b = make_request("b", list(range(100, 113)))  # a's 2 blocks, then one new full block
+    hits = bm.get_computed_blocks(b)
+    assert len(hits) == 2
+    compute_all(bm, b, hits)
+    assert len(bm.hash_to_block) == 3
+    c = make_request("c", list(range(100, 113)) + [1])
+    assert bm.get_computed_blocks(c) == b.block_ids[:3]
+
+
+def test_hit_counters_accumulate_over_queries() -> None:
+    bm = BlockManager(8, BS)
+    compute_all(bm, make_request("a", list(range(100, 110))))
+    for rid in ("b", "c"):
+        bm.get_computed_blocks(make_request(rid, list(range(100, 110))))
+    assert (bm.prefix_queries, bm.prefix_hits) == (20, 16)
+
+
+def test_evicting_a_duplicate_block_keeps_the_cached_original() -> None:
+    bm = BlockManager(5, BS)
+    bm.track_events()
+    bm.take_events()
+    first, twin = make_request("first", [1, 2, 3, 4, 5]), make_request("twin", [1, 2, 3, 4, 6])
+    assert bm.allocate_slots(first, 5) and bm.allocate_slots(twin, 5)  # both before either is cached
+    for req in (first, twin):
+        req.num_computed_tokens = 5
+        bm.cache_full_blocks(req)
+    assert bm.hash_to_block == {bm.blocks[first.block_ids[0]].block_hash: first.block_ids[0]}
+    bm.take_events()
+    bm.free(twin)  # twin's copy of the block is evicted by the next allocation
+    assert bm.allocate_slots(make_request("x", list(range(12))), 12)  # the free block, then twin's 2
+    assert list(bm.hash_to_block.values()) == [first.block_ids[0]]
+    assert not bm.take_events().removed
+    assert bm.get_computed_blocks(make_request("again", [1, 2, 3, 4, 9])) == first.block_ids[:1]
+
+
+def test_a_one_block_pool_works_and_an_empty_one_is_refused_with_a_reason() -> None:
+    bm = BlockManager(1, BS)
+    assert bm.allocate_slots(make_request("a", [1, 2, 3]), 3) and bm.num_free_blocks == 0
+    with pytest.raises(ValueError, match="^num_blocks must be >= 1$"):
         BlockManager(0, BS)

@@ -142,3 +142,34 @@ def test_snapshot_round_trip_in_redis(redis_client, redis_keys):
     assert set(read_lb_snapshot(redis_client, redis_keys)) == {"e0", "e1"}
     write_lb_snapshot(redis_client, redis_keys, {"e1": EngineLoad()})
     assert set(read_lb_snapshot(redis_client, redis_keys)) == {"e1"}
+
+
+def test_two_requests_in_flight_count_until_both_finish():
+    c = FakeCluster("e0")
+    c.loads = {"e0": EngineLoad(ts=c.now)}
+    sel = c.selector()
+    sel.refresh()
+    sel.on_submit("e0")
+    sel.on_submit("e0")
+    sel.on_finish("e0")
+    assert sel.in_flight("e0") == 1 and sel.score("e0") == 4  # one still waits
+    sel.on_finish("e0")
+    assert sel.in_flight("e0") == 0 and sel.score("e0") == 0
+
+
+def test_load_entry_absent_fields_default_and_bad_ones_say_which():
+    assert EngineLoad.from_json('{"waiting": 2}') == EngineLoad(waiting=2)
+    assert EngineLoad.from_json("{}") == EngineLoad()
+    with pytest.raises(ValueError, match=r"^ts must be a finite number >= 0, got -1$"):
+        EngineLoad.from_json('{"ts": -1}')
+    with pytest.raises(ValueError, match="^load entry must be a JSON object$"):
+        EngineLoad.from_json("[1, 2]")
+    with pytest.raises(ValueError, match="^load entry is nested too deeply$"):
+        EngineLoad.from_json("[" * 100_000 + "]" * 100_000)
+
+
+def test_snapshot_key_of_the_wrong_type_reads_as_none_with_a_warning(redis_client, redis_keys, caplog):
+    redis_client.set(redis_keys.lb(), "not a hash")
+    with caplog.at_level("WARNING"):
+        assert read_lb_snapshot(redis_client, redis_keys) == {}
+    assert any(f"ignoring {redis_keys.lb()}: WRONGTYPE" in r.getMessage() for r in caplog.records)

@@ -198,3 +198,27 @@ def test_status_and_metrics_show_hit_rates_index_and_routing_reasons(redis_clien
     assert 0 < redis_client.pttl(redis_keys.engine_blocks("e0")) <= 15_000
     registry.register("e0", {"dp_rank": 0})  # a restart: the new incarnation's cache is empty
     assert not redis_client.exists(redis_keys.engine_blocks("e0"))
+
+
+def test_an_engine_with_a_stale_index_is_skipped_not_the_rest():
+    engines = [{"engine_id": "e0", "state": "ready", "incarnation": "e0", "block_size": BS, "stats_at": 900.0},
+               {"engine_id": "e1", "state": "ready", "incarnation": "e1", "block_size": BS, "stats_at": 1000.0}]
+    loads = {"e0": EngineLoad(ts=1000.0), "e1": EngineLoad(waiting=1, ts=1000.0)}
+    sel = EngineSelector(lambda: (engines, dict(loads)), clock=lambda: 1000.0, wall_clock=lambda: 1000.0,
+                         prefix_index=FakeIndex({"e0": set(block_hashes(PROMPT, BS)),
+                                                 "e1": set(block_hashes(PROMPT, BS))}),
+                         routing=RoutingConfig())
+    assert sel.prefix_hits(PROMPT) == {"e1": 1.0}  # e0's index is 100 s old: it counts for nothing
+    assert sel.select(token_ids=PROMPT)["engine_id"] == "e1"  # 4 - 16 beats e0's idle 0
+    loads["e1"] = EngineLoad(waiting=5, ts=1000.0)  # 20 > 1.25 * 10 + 4: e1 spills
+    sel.refresh()
+    assert sel.select(token_ids=PROMPT)["engine_id"] == "e0"
+    assert sel.decisions == {"cache": 1, "load": 1}
+
+
+def test_routing_config_bounds_and_messages():
+    assert RoutingConfig(spill_factor=1.0, cache_weight=0.0, spill_slack=0.0, max_probes=1).spill_factor == 1.0
+    with pytest.raises(ValueError, match=r"^cache routing needs weight >= 0, spill factor >= 1 and spill slack >= 0$"):
+        RoutingConfig(spill_factor=0.5)
+    with pytest.raises(ValueError, match=r"^cache routing needs max_probes >= 1$"):
+        RoutingConfig(max_probes=0)

@@ -1,7 +1,14 @@
-"""A cached block is reused only when the whole prefix before it matches, not just its own tokens."""
+"""Prefix-chain hashes: a cached block is reused only when the whole prefix before it matches, not just its
+own tokens; the hash is the documented BLAKE2b one (the API and other hosts recompute it)."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
+import pytest
+
+from broker.prefix_hash import ROOT_HASH, block_hashes, chain_hash
 from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Request
@@ -27,3 +34,26 @@ def test_block_after_a_different_prefix_is_not_reused() -> None:
     assert len(hits) == 1
     # The same prefix as before reuses both blocks.
     assert len(bm.get_computed_blocks(Request("xy2", X + Y + [0], SamplingParams(max_tokens=4)))) == 2
+
+
+def _spec_hash(prev: int, tokens: list[int]) -> int:
+    """The documented hash, written out with struct: BLAKE2b-64 over little-endian int64s, read signed."""
+    h = hashlib.blake2b(struct.pack("<q", prev), digest_size=8)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return struct.unpack("<q", h.digest())[0]
+
+
+def test_block_hash_is_the_documented_blake2b_of_little_endian_int64s() -> None:
+    # Other processes and hosts (and anyone reading the Redis index) recompute these; the bytes are the contract.
+    first = _spec_hash(ROOT_HASH, X)
+    assert block_hashes(X + Y + [0], BS) == [first, _spec_hash(first, Y)]
+    assert chain_hash(None, X) == chain_hash(ROOT_HASH, X) == first
+    negative_prev = -(2**63) + 5
+    assert chain_hash(negative_prev, Z) == _spec_hash(negative_prev, Z)
+
+
+def test_block_size_one_hashes_every_token_and_zero_is_refused() -> None:
+    assert len(block_hashes([3, 1, 4], 1)) == 3
+    assert block_hashes([3, 1, 4], 1)[0] == chain_hash(None, [3])
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        block_hashes([3, 1, 4], 0)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from worker.sampler import Sampler, SamplingBatch, apply_penalties, apply_top_k_top_p
+from worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_grammar_bitmasks,
+    apply_penalties,
+    apply_top_k_top_p,
+    prompt_logprob_entries,
+)
 
 VOCAB = 64
 
@@ -388,3 +395,71 @@ def test_seeded_top_k_row_independent_of_batch(sampler: Sampler) -> None:
     batched = [tokens(sampler, logits, make_batch(3, top_k=[3, 10, 40], generators=[None, seeded(9 + i), seeded(i)]))[1]
                for i in range(6)]
     assert alone == batched and len(set(alone)) > 1
+
+
+def _mask_words(allowed: list[int], words: int) -> bytes:
+    bits = [0] * words
+    for t in allowed:
+        bits[t // 32] |= 1 << (t % 32)
+    return b"".join(int(b).to_bytes(4, "little", signed=False) for b in bits)
+
+
+def test_grammar_bitmask_forbids_unset_bits_and_tokens_past_its_end() -> None:
+    logits = random_logits(3, seed=25)
+    out = apply_grammar_bitmasks(logits, [_mask_words([3, 40, 63], 2), None, _mask_words([0, 32], 2)])
+    finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in out]
+    assert finite == [[3, 40, 63], list(range(VOCAB)), [0, 32]]
+    torch.testing.assert_close(out[1], logits[1])
+    assert out[0, 40] == logits[0, 40] and torch.isfinite(logits).all()  # the input is not modified
+    short = apply_grammar_bitmasks(logits[:1], [_mask_words([5, 31], 1)])  # covers 32 of the 64 tokens
+    assert torch.isfinite(short[0]).nonzero().flatten().tolist() == [5, 31]
+
+
+def test_prompt_logprob_entries_rank_and_top_n() -> None:
+    logits = random_logits(2, seed=26, scale=2.0)
+    reference = torch.log_softmax(logits, dim=-1)
+    targets = [int(reference[0].argmax()), int(reference[1].argsort()[VOCAB // 2])]
+    entries = prompt_logprob_entries(logits, targets, 3)
+    for row, (lp, rank, top_ids, top_lps) in enumerate(entries):
+        assert lp == pytest.approx(float(reference[row, targets[row]]), abs=1e-5)
+        assert rank == int((reference[row] > reference[row, targets[row]]).sum()) + 1
+        assert top_ids == reference[row].topk(3).indices.tolist()
+        assert top_lps == pytest.approx(reference[row].topk(3).values.tolist(), abs=1e-5)
+    assert entries[0][1] == 1 and entries[1][1] > 1
+    assert [e[2:] for e in prompt_logprob_entries(logits, targets, 0)] == [[[], []], [[], []]]
+
+
+def test_logprobs_zero_gives_the_sampled_token_only(sampler: Sampler) -> None:
+    logits = random_logits(2, seed=27)
+    out = sampler(logits, make_batch(2, temperature=0.0, num_logprobs=0))
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, tok in enumerate(out):
+        assert tok.logprobs[1:] == [1, [], []]
+        assert tok.logprobs[0] == pytest.approx(float(reference[row].max()), abs=1e-5)
+
+
+def test_repetition_penalty_before_any_output_token() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0] + [0.5] * (VOCAB - 3)])
+    out = _penalized(logits, prompt=[0, 1], output=[], repetition_penalty=2.0)
+    expected = logits.clone()
+    expected[0, :2] = torch.tensor([1.0, -4.0])
+    torch.testing.assert_close(out, expected)
+
+
+def test_top_k_top_p_on_some_rows_leaves_the_others_alone() -> None:
+    logits = random_logits(3, seed=28)
+    out = apply_top_k_top_p(logits, [3, 0, 0], [1.0, 1.0, 0.5])
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == sorted(logits[0].topk(3).indices.tolist())
+    torch.testing.assert_close(out[1], logits[1])
+    kept = torch.isfinite(out[2])
+    assert 1 <= int(kept.sum()) < VOCAB and bool(kept[logits[2].argmax()])
+
+
+def test_a_row_without_top_k_is_not_cut_by_another_rows_top_k(sampler: Sampler) -> None:
+    logits = random_logits(2, seed=29, scale=0.1)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    row0 = set()
+    for seed in range(30):
+        sampler.default_generator.manual_seed(seed)
+        row0.add(tokens(sampler, logits, make_batch(2, temperature=[0.7, 1.3], top_k=[0, 5]))[0])
+    assert row0 - top5

@@ -310,6 +310,20 @@ def test_prefix_hit_sets_computed_and_cached_tokens() -> None:
     assert s.block_manager.prefix_hits == 8
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_blocks_completed_in_a_requests_last_step_stay_cached(max_tokens: int) -> None:
+    """A request that finishes in the step that completed its blocks (one output token: the prefill step) still
+    leaves them in the prefix cache; they were freed before being cached once (0 hits for max_tokens=1)."""
+    s = make_scheduler()
+    s.add_request(make_request("a", 10, max_tokens=max_tokens))
+    run_to_completion(s)
+    assert len(s.block_manager.hash_to_block) == 2
+    b = make_request("b", 10, max_tokens=1)
+    s.add_request(b)
+    step(s)
+    assert b.num_cached_tokens == 8 and s.block_manager.prefix_hits == 8
+
+
 def test_in_flight_requests_are_neither_rescheduled_nor_preempted() -> None:
     s = make_scheduler()
     a, b = make_request("a", 6), make_request("b", 6, start=200)
@@ -337,3 +351,182 @@ def test_batches_in_flight_split_the_requests_between_them() -> None:
     assert s.schedule().is_empty
     s.update_from_output(first, ModelRunnerOutput({r: SampledToken(FILLER) for r in first.num_scheduled_tokens}))
     assert list(s.schedule().num_scheduled_tokens) == ["r0", "r1", "r2"]
+
+
+def test_first_schedule_has_an_empty_finished_list() -> None:
+    out = make_scheduler().schedule()
+    assert out.is_empty and out.finished_req_ids == []
+
+
+def test_a_request_id_reused_after_it_finished_is_sent_as_new() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("r", 5, max_tokens=1))
+    run_to_completion(s)
+    s.add_request(make_request("r", 6, start=300, max_tokens=1))
+    out, _ = step(s)
+    assert [n.req_id for n in out.new_requests] == ["r"] and out.cached_requests == []
+    assert out.new_requests[0].prompt_token_ids == list(range(300, 306))
+
+
+def test_preemption_counters_count_every_preemption() -> None:
+    s = make_scheduler(num_blocks=4, budget=64, max_model_len=64)
+    reqs = [make_request(f"r{i}", 2, start=100 * (i + 1), max_tokens=8) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    run_to_completion(s)
+    # LIFO victims: the latest admitted, r3, is preempted twice (a request's counter keeps counting).
+    assert [r.num_preemptions for r in reqs] == [0, 1, 1, 2]
+    assert s.num_preemptions == 4
+    assert all(r.num_output_tokens == 8 for r in reqs)
+
+
+def test_running_requests_share_the_budget_to_the_last_token() -> None:
+    s = make_scheduler(budget=2)
+    s.add_request(make_request("a", 1, max_tokens=4))
+    s.add_request(make_request("b", 1, start=300, max_tokens=4))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    out, _ = step(s)  # two decodes fill the budget of 2 exactly: neither waits
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 6))
+    s.add_request(make_request("b", 20, start=300))
+    assert step(s)[0].num_scheduled_tokens == {"a": 6, "b": 2}
+    out, _ = step(s)  # a's decode leaves 7 of the 8 for b's next chunk
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+
+
+def test_pipeline_batches_alternate_and_keep_their_size() -> None:
+    s = Scheduler(SchedulerConfig(8, 64, 256, True, max_batches_in_flight=2), BlockManager(64, BS, True), [EOS])
+    for i in range(2):
+        s.add_request(make_request(f"r{i}", 4, start=100 + 10 * i))
+    first, second = s.schedule(), s.schedule()
+    assert (list(first.num_scheduled_tokens), list(second.num_scheduled_tokens)) == (["r0"], ["r1"])
+    s.update_from_output(first, ModelRunnerOutput({"r0": SampledToken(FILLER)}))
+    third = s.schedule()
+    assert list(third.num_scheduled_tokens) == ["r0"]
+    s.update_from_output(second, ModelRunnerOutput({"r1": SampledToken(FILLER)}))
+    assert list(s.schedule().num_scheduled_tokens) == ["r1"]  # r0 (in flight) comes first in running
+
+    s = Scheduler(SchedulerConfig(8, 64, 256, True, max_batches_in_flight=2), BlockManager(64, BS, True), [EOS])
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 4, start=100 + 10 * i))
+    first, second = s.schedule(), s.schedule()
+    for out in (first, second):
+        s.update_from_output(out, ModelRunnerOutput({r: SampledToken(FILLER) for r in out.num_scheduled_tokens}))
+    assert list(s.schedule().num_scheduled_tokens) == ["r0", "r1"]  # ceil(4 / 2), not one more
+
+
+def test_too_long_prompt_error_says_what_and_how_long() -> None:
+    s = make_scheduler(max_model_len=12)
+    with pytest.raises(ValueError, match="prompt has 12 tokens; the model's context is 12 tokens"):
+        s.add_request(make_request("too_long", 12))
+
+
+def test_waiting_requests_use_the_budget_to_the_last_token() -> None:
+    s = make_scheduler(budget=8)
+    s.add_request(make_request("a", 7))
+    s.add_request(make_request("b", 5, start=300))
+    assert step(s)[0].num_scheduled_tokens == {"a": 7, "b": 1}  # chunked: b starts with the one token left
+
+    s = make_scheduler(budget=16, chunked=False)
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 6, start=300))
+    assert step(s)[0].num_scheduled_tokens == {"a": 10, "b": 6}  # b's whole prompt fits the rest exactly
+
+
+def test_batches_in_flight_never_exceed_max_num_seqs() -> None:
+    s = Scheduler(SchedulerConfig(2, 64, 256, True, max_batches_in_flight=2), BlockManager(64, BS, True), [EOS])
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, start=100 + 10 * i))
+    batches = [s.schedule() for _ in range(3)]
+    assert [list(b.num_scheduled_tokens) for b in batches] == [["r0"], ["r1"], []]
+    assert s.num_running == 2 and s.num_waiting == 1
+
+
+def test_cached_tokens_are_those_of_the_first_admission() -> None:
+    s, a, b = _preemption_setup()
+    assert b.num_cached_tokens == 0
+    run_to_completion(s)  # b is preempted, then readmitted on its own cached blocks
+    assert b.num_preemptions == 1 and b.num_cached_tokens == 0
+
+
+def test_prompt_logprobs_request_computes_its_whole_prompt() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", 10, max_tokens=2))  # its prompt blocks are cached after its first step
+    run_to_completion(s)
+    assert len(s.block_manager.hash_to_block) == 2
+    b = make_request("b", 10, max_tokens=1, prompt_logprobs=1)
+    s.add_request(b)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 10} and b.num_cached_tokens == 0
+    assert out.new_requests[0].num_computed_tokens == 0 and out.new_requests[0].output_token_ids == []
+
+
+def test_tokens_of_requests_aborted_in_flight_are_dropped() -> None:
+    s = make_scheduler()
+    a, b = make_request("a", 4), make_request("b", 4, start=200)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    s.abort_requests(["a"])
+    updates = s.update_from_output(out, ModelRunnerOutput({"a": SampledToken(FILLER), "b": SampledToken(FILLER)}))
+    assert [(u.request.request_id, u.token) for u in updates] == [("b", SampledToken(FILLER))]
+    assert a.output_token_ids == [] and b.output_token_ids == [FILLER]
+
+
+class _FailingMatcher:
+    """A structured-output matcher that rejects every token (llguidance's LLMatcher interface)."""
+
+    def consume_token(self, token_id: int) -> bool:
+        return False
+
+    def is_error(self) -> bool:
+        return True
+
+    def get_error(self) -> str:
+        return "rejected"
+
+
+def test_a_failed_grammar_stops_the_request() -> None:
+    s = make_scheduler()
+    req = make_request("g", 4)
+    req.grammar = _FailingMatcher()
+    s.add_request(req)
+    _, updates = step(s)
+    assert updates[0].finished and req.status == RequestStatus.FINISHED_STOPPED
+
+
+class _CompleteMatcher:
+    """A matcher whose grammar is complete: it takes every token and only EOS may follow."""
+
+    def __init__(self) -> None:
+        self.consumed: list[int] = []
+
+    def consume_token(self, token_id: int) -> bool:
+        self.consumed.append(token_id)
+        return True
+
+    def is_error(self) -> bool:
+        return False
+
+    def is_stopped(self) -> bool:
+        return True
+
+
+def test_eos_ends_a_complete_grammar_even_with_ignore_eos() -> None:
+    s = make_scheduler()
+    req = make_request("g", 4, ignore_eos=True)
+    req.grammar = _CompleteMatcher()
+    s.add_request(req)
+    feed = iter([9, EOS, 9])
+    while s.has_unfinished():
+        step(s, lambda r: next(feed))
+    assert req.output_token_ids == [9, EOS] and req.grammar.consumed == [9, EOS]
+    assert req.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_a_stop_token_at_exactly_min_tokens_stops() -> None:
+    req = _finish_with([EOS, 42, 9], stop_token_ids=[42], min_tokens=2)
+    assert req.output_token_ids == [EOS, 42] and req.stop_reason == 42
