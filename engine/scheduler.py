@@ -202,6 +202,9 @@ class Scheduler:
             if request is None or request.status.finished:
                 continue
             request.num_computed_tokens += num_new
+            # Before a stop can free the blocks: what this step completed stays in the prefix cache even when
+            # it is the request's last step (a one-token request still caches its prompt).
+            self.block_manager.cache_full_blocks(request)
             token = result.sampled.get(req_id)
             if token is not None:
                 request.append_output_token(token.token_id)
@@ -211,8 +214,6 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 if status is not None:
                     self._finish(request, status)
-            self.block_manager.cache_full_blocks(request)
-            if token is not None:
                 updates.append(TokenUpdate(request, token, request.status.finished))
         return updates
 
