@@ -21,21 +21,7 @@ import pstats
 import time
 
 import torch
-
-
-def decode_requests(llm, batch: int, input_len: int, max_tokens: int) -> list[str]:
-    """Add ``batch`` random prompts and step until every one has its first token (all in decode)."""
-    from broker.sampling_params import SamplingParams
-    g = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(10, llm.engine.vocab_size - 10, (batch, input_len), generator=g).tolist()
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"cpu-{batch}-{i}" for i in range(batch)]
-    for req_id, prompt in zip(ids, prompts, strict=True):
-        llm.engine.add_request(req_id, prompt, params)
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(out.request_id for out in llm.engine.step())
-    return ids
+from step_split import decode_batch  # this directory is on the path when run as a script
 
 
 def step_ms(llm, steps: int) -> float:
@@ -46,7 +32,7 @@ def step_ms(llm, steps: int) -> float:
 
 
 def measure(llm, batch: int, args) -> str:
-    ids = decode_requests(llm, batch, args.input_len, max_tokens=(args.rounds + 2) * args.steps + 8)
+    ids = decode_batch(llm, batch, args.input_len, max_tokens=(args.rounds + 2) * args.steps + 8)
     step_ms(llm, 2)  # warm-up (new shapes)
     if args.profile:
         profiler = cProfile.Profile()

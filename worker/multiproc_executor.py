@@ -47,7 +47,7 @@ from engine.step_types import (
 from worker.remote_stages import RemoteStages, WorkerRendezvous
 from worker.serialization import encode
 from worker.shm_queue import MessageQueue, QueueClosed
-from worker.worker_proc import SHUTDOWN, worker_main
+from worker.worker_proc import SHUTDOWN, stop_workers, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -253,14 +253,7 @@ class MultiprocExecutor:
         if not self.failure:
             with contextlib.suppress(QueueClosed, TimeoutError):
                 self._send([SHUTDOWN, [], None], timeout=2)
-        for conn in self._death_writers:
-            conn.close()
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        stop_workers(self.procs, self._death_writers)
         self.broadcast.close()
         for queue in self.responses:
             queue.close()

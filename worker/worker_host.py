@@ -47,7 +47,7 @@ from worker.remote_link import (
     local_address_towards,
 )
 from worker.shm_queue import MessageQueue, QueueClosed
-from worker.worker_proc import worker_main
+from worker.worker_proc import stop_workers, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -268,14 +268,7 @@ class Session:
     def close(self) -> None:
         self.gone.set()
         self.link.close()
-        for conn in self._death_writers:
-            conn.close()
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        stop_workers(self.procs, self._death_writers)
         self.broadcast.close()
         for queue in self.responses:
             queue.close()

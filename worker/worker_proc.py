@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -89,6 +90,18 @@ def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, 
         inbox.close()
         outbox.close()
         destroy_tensor_parallel()
+
+
+def stop_workers(procs: list, death_writers: list[Connection], grace: float = 5.0) -> None:
+    """Close the workers' death pipes (they exit), wait up to `grace` s in all, then kill what is left."""
+    for conn in death_writers:
+        conn.close()
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def _serve(runner: ModelRunner, inbox: MessageQueue, outbox: MessageQueue, rank: int) -> None:
