@@ -114,11 +114,12 @@ class Link:
 
     # --- frames ----------------------------------------------------------------------------------------------
 
-    def send(self, kind: bytes, payload: bytes | bytearray | memoryview = b"") -> None:
+    def send(self, kind: bytes, payload: bytes | bytearray | memoryview = b"", prefix: bytes = b"") -> None:
+        """One frame: ``kind``, then ``prefix`` and ``payload`` as its body (the payload is not copied)."""
         data = memoryview(payload)
         with self._send_lock:
             try:
-                self.sock.sendall(_HEADER.pack(len(data) + 1) + kind)
+                self.sock.sendall(_HEADER.pack(len(prefix) + data.nbytes + 1) + kind + prefix)
                 if data.nbytes:
                     self.sock.sendall(data)
             except OSError as exc:  # socket.timeout included: the peer stopped reading
@@ -129,7 +130,7 @@ class Link:
         self.send(CONTROL, msgpack.packb(message))
 
     def send_reply(self, rank: int, payload: bytes | bytearray | memoryview) -> None:
-        self.send(REPLY, _RANK.pack(rank) + bytes(payload))
+        self.send(REPLY, payload, prefix=_RANK.pack(rank))
 
     def recv(self) -> tuple[bytes, bytearray]:
         """The next frame (kind, payload); raises LinkClosed on EOF, error or ``timeout`` s of silence."""

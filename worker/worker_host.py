@@ -65,7 +65,6 @@ class WorkerHost:
         self.keys = RedisKeys(key_prefix)
         self.stages, self.address, self.once = stages, address, once
         self.stop = threading.Event()
-        self.session: Session | None = None
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
 
     def install_signal_handlers(self) -> None:
@@ -129,12 +128,10 @@ class WorkerHost:
             setup = decode_control(payload)
             if setup["type"] == "rejected":
                 raise Rejected(setup.get("reason", "?"))
-            self.session = Session(setup, link, self.redis_url, address, self.stop)
-            return self.session.run()
+            return Session(setup, link, self.redis_url, address, self.stop).run()
         finally:
             session_over.set()
             link.close()
-            self.session = None
 
 
 class Session:
