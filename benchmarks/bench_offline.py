@@ -58,20 +58,25 @@ def bench_transformers(model_dir: str, dtype: torch.dtype, device: torch.device,
 
 
 def bench_matmul_only(llm: LLM, batch: int, steps: int) -> float:
-    """Only the weight matmuls of a decode step (every linear layer + LM head), no attention/sampling."""
+    """Only the weight matmuls of a decode step (every linear layer + LM head), no attention/sampling, each
+    through the path the engine takes at this batch (``gemm.matmul``: packed oneDNN, small-batch kernel or
+    F.linear)."""
     model = llm.engine.executor.runner.model
-    weights = [m.weight for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2
-               and m is not model.embed_tokens]
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
-    device = weights[0].device
+    layers = [m for m in model.modules() if hasattr(m, "gemm") and m.weight.dim() == 2]
+    x = {m.weight.shape[1]: torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device)
+         for m in layers}
+    device = layers[0].weight.device
+
+    def one_step() -> None:
+        for m in layers:
+            m.gemm.matmul(x[m.weight.shape[1]], m.weight)
+
     with torch.inference_mode():
-        for w in weights:
-            x[w.shape[1]] @ w.t()
+        one_step()
         synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
-            for w in weights:
-                x[w.shape[1]] @ w.t()
+            one_step()
         synchronize(device)
         return time.perf_counter() - start
 

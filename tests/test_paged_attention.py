@@ -136,7 +136,7 @@ def test_softcap(window: int | None) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("dim", [40, 80, 128])
+@pytest.mark.parametrize("dim", [36, 40, 80, 128])  # 36: no 8-lane path; 80: 64 + 16 lanes
 def test_head_dims_and_block_sizes(dim: int) -> None:
     check([(0, 1), (8, 1), (9, 1), (8, 8), (3, 20)], kv_heads=1, group=3, dim=dim, block_size=8)
 

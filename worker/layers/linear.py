@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.packed_gemm import MIN_ROWS, pack_for_gemm, packed_linear
-from worker.layers.small_gemm import linear
+from worker.layers.packed_gemm import MIN_ROWS, PackedWeight
+from worker.layers.small_gemm import MAX_ROWS
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
+
+PROJECTION_MIN_ROWS = MAX_ROWS + 1  # fewer rows: the small-batch kernel (worker.layers.small_gemm)
 
 
 def _shape(loaded: Any) -> list[int]:
@@ -47,15 +49,17 @@ class ColumnParallelLinear(nn.Module):
             offset += self.shard_sizes[name]
         self.weight = nn.Parameter(torch.empty(offset, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False) if bias else None
+        self.gemm = PackedWeight(PROJECTION_MIN_ROWS)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str) -> None:
         size, rank = self.shard_sizes[shard], tp_group().rank
         offset = self.shard_offsets[shard]
         piece = loaded[rank * size:(rank + 1) * size]
         param.data[offset:offset + size].copy_(_as_tensor(piece))
+        self.gemm.invalidate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.gemm.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -66,6 +70,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, tp_group().size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.gemm = PackedWeight(PROJECTION_MIN_ROWS)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str | None = None) -> None:
         if param is self.bias:
@@ -73,9 +78,10 @@ class RowParallelLinear(nn.Module):
             return
         rank, n = tp_group().rank, self.in_per_rank
         param.data.copy_(_as_tensor(loaded[:, rank * n:(rank + 1) * n]))
+        self.gemm.invalidate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(linear(x, self.weight))
+        y = tp_all_reduce(self.gemm.matmul(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -113,20 +119,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     (`worker.layers.small_gemm`: its kernel at a few rows, else ``F.linear``). Loading a shard, or
     tying the head to the embedding (a new Parameter), makes the copy again at the next call."""
 
-    _packed: torch.Tensor | None = None
-    _packed_from: int | None = None  # data_ptr of the weight the packed copy was made from
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__(vocab_size, hidden_size, dtype)
+        self.gemm = PackedWeight(MIN_ROWS)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str | None = None) -> None:
         super().load_shard(param, loaded, shard)
-        self._packed_from = None
-
-    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._packed_from != self.weight.data_ptr():
-            self._packed, self._packed_from = pack_for_gemm(self.weight), self.weight.data_ptr()
-        if self._packed is None or hidden.dtype != self.weight.dtype or hidden.numel() < MIN_ROWS * hidden.shape[-1]:
-            return linear(hidden, self.weight)
-        return packed_linear(hidden, self._packed)
+        self.gemm.invalidate()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather_last_dim(self._local_logits(hidden))
+        logits = tp_all_gather_last_dim(self.gemm.matmul(hidden, self.weight))
         return logits[..., :self.vocab_size]
