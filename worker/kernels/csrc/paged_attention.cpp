@@ -329,12 +329,12 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
   std::fill_n(x.l.begin(), rows, 0.f);
   const int64_t lo = s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
   const int32_t* table = w.tables + t.seq * w.table_row;
+  const bool simd = simd_decode_dtype<T>() && d % 8 == 0;
   for (int64_t b = lo / bs; b <= qpos / bs; ++b) {
     const int64_t begin = std::max(lo, b * bs), end = std::min(qpos + 1, (b + 1) * bs);
     const int64_t n = end - begin;
     const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
     if (b < qpos / bs) prefetch_block(w, t, table[b + 1], bs);
-    const bool simd = simd_decode_dtype<T>() && d % 8 == 0;
     if (simd) {  // per query row, eight keys of its KV head per pass (the block stays in L1 across rows)
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (simd_decode_dtype<T>()) {
