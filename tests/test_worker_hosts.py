@@ -1,7 +1,7 @@
 """Pipeline stages on a worker host (`redserve worker`), on this machine's loopback: the link's handshake and
 liveness, the Redis rendezvous store, and the whole path: an engine whose last stage a worker host runs gives
 the tokens of PP=1, a dead worker on the host ends the engine's requests and leaves nothing behind, and the
-host rejoins the engine's next start by itself, whatever its layout (PP=2, then PP=2 x TP=2). (`tests/test_multihost.py` runs the same across network
+host rejoins the engine's next start by itself, whatever its layout (PP=2, then PP=2 x TP=2). (`tests/test_multihost_pp.py` runs the same across network
 namespaces, with a cut link.)"""
 
 from __future__ import annotations
