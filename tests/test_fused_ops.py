@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
+from worker import sampler as sampler_module
+from worker.layers import activation as activation_module
 from worker.layers import norm as norm_module
 from worker.layers import rotary as rotary_module
 from worker.layers.activation import gelu_tanh_and_mul, silu_and_mul
@@ -130,13 +132,71 @@ def test_rope_rejects_positions_past_the_table(ops) -> None:
         rotary(torch.tensor([3, 10]), q, k)
 
 
+# float32 SiLU runs in the kernel where it builds: its exp is within 2 ulp of torch's, so the product is
+# within a few ulp; the other dtypes (torch's ops) are exact.
+SILU_TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-30}}
+
+
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
-@pytest.mark.parametrize("tokens,inter", [(1, 1408), (5, 77)])
+@pytest.mark.parametrize("tokens,inter", [(1, 1408), (5, 77), (64, 1408)])
 def test_gated_activations_match_act_then_mul(dtype, tokens, inter) -> None:
-    x = torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype)
+    x = (4 * torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter))).to(dtype)
     gate, up = x[:, :inter], x[:, inter:]
-    torch.testing.assert_close(silu_and_mul(x), F.silu(gate) * up, rtol=0, atol=0)
+    torch.testing.assert_close(silu_and_mul(x), F.silu(gate) * up, **SILU_TOLERANCE.get(dtype, {"rtol": 0, "atol": 0}))
     torch.testing.assert_close(gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up, rtol=0, atol=0)
+
+
+def test_silu_kernel_at_the_edges_of_exp(ops) -> None:
+    gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0, -87.0, 88.5, -88.5, 100.0, -100.0, 1e30,
+                         float("inf"), float("nan"), 3.0, -3.0])  # 17 values: two AVX2 passes and a scalar tail
+    up = torch.linspace(-2, 2, gate.numel())
+    out = torch.empty(1, gate.numel())
+    ops.silu_and_mul(out, torch.cat([gate, up]).unsqueeze(0))
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(out[0], expected, rtol=2e-6, atol=1e-36, equal_nan=True)
+
+
+def test_silu_kernel_on_rows_of_a_wider_tensor(ops) -> None:
+    wide = torch.randn(6, 2 * 40 + 5)
+    x = wide[:, :80]  # rows 85 apart: the kernel follows the row stride
+    out = torch.empty(6, 40)
+    ops.silu_and_mul(out, x)
+    torch.testing.assert_close(out, F.silu(x[:, :40]) * x[:, 40:], rtol=2e-6, atol=1e-30)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_and_mul(out.bfloat16(), x.bfloat16())
+
+
+# --- argmax for the sampler -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 17, 8192, 49152])
+def test_argmax_kernel_matches_torch(ops, vocab) -> None:
+    x = torch.randn(13, vocab, generator=torch.Generator().manual_seed(vocab))
+    out = torch.empty(13, dtype=torch.int64)
+    ops.argmax_rows(out, x)
+    assert torch.equal(out, x.argmax(dim=-1))
+
+
+def test_argmax_kernel_ties_nan_and_infinities(ops) -> None:
+    x = torch.randn(6, 21)
+    x[0, 3] = x[0, 17] = 50.0  # a tie: the first index wins
+    x[1, 9] = x[1, 20] = float("nan")  # NaN counts as the maximum: the first NaN
+    x[1, 2] = 50.0
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 19] = float("inf")
+    x[4, 20] = float("nan")  # a NaN in the scalar tail
+    x[5, 0] = 50.0
+    out = torch.empty(6, dtype=torch.int64)
+    ops.argmax_rows(out, x)
+    assert out.tolist() == x.argmax(dim=-1).tolist() == [3, 9, 0, 19, 20, 0]
+
+
+def test_argmax_kernel_follows_the_row_stride(ops) -> None:
+    wide = torch.randn(5, 300)
+    x = wide[:, 7:270]
+    out = torch.empty(5, dtype=torch.int64)
+    ops.argmax_rows(out, x)
+    assert torch.equal(out, x.argmax(dim=-1))
 
 
 def test_float16_and_other_devices_take_the_torch_path() -> None:
@@ -157,6 +217,8 @@ def test_tiny_model_same_tokens_and_logprobs_with_and_without_kernels(ops, tiny_
         with_kernels = llm.generate(prompts, params)
         monkeypatch.setattr(norm_module, "fused_ops_for", lambda *tensors: None)
         monkeypatch.setattr(rotary_module, "fused_ops_for", lambda *tensors: None)
+        monkeypatch.setattr(activation_module, "fused_ops_for", lambda *tensors: None)
+        monkeypatch.setattr(sampler_module, "fused_ops_for", lambda *tensors: None)
         without = llm.generate(prompts, params)
     finally:
         llm.shutdown()

@@ -20,7 +20,7 @@ import torch
 from engine.step_types import NewRequestData, SchedulerOutput
 from worker.input_batch import InputBatch
 from worker.kernels import build
-from worker.layers.attention import PagedAttention, paged_attention_kernel
+from worker.layers.attention import PagedAttention, paged_attention_kernel, write_kv
 
 KERNEL = paged_attention_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the C++ kernel could not be built here")
@@ -207,13 +207,47 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stdout.strip() == "None" and "failed to build" in result.stderr
 
 
-def test_build_key_follows_the_sources(tmp_path: Path) -> None:
-    source = tmp_path / "k.cpp"
-    source.write_text("int a;\n")
+def test_build_key_follows_the_sources_and_the_shared_headers(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    source, header = tmp_path / "k.cpp", tmp_path / "shared.h"
+    source.write_text('#include "shared.h"\nint a;\n')
+    header.write_text("int h;\n")
     first = build.build_key([source])
     assert build.build_key([source]) == first
-    source.write_text("int b;\n")
-    assert build.build_key([source]) != first
+    header.write_text("int g;\n")
+    second = build.build_key([source])
+    assert second != first
+    source.write_text('#include "shared.h"\nint b;\n')
+    assert build.build_key([source]) != second
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_kernel_matches_index_copy(dtype: torch.dtype) -> None:
+    kv_heads, dim, tokens = 4, 64, 37
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 8 + 2 * kv_heads, dim, generator=gen).to(dtype)
+    k, v = qkv[:, 8:8 + kv_heads], qkv[:, 8 + kv_heads:]  # views into the projection's output, as the model's
+    slots = torch.randperm(200, generator=gen)[:tokens]
+    cache = torch.randn(2, 200, kv_heads, dim, generator=gen).to(dtype)
+    expected = cache.clone()
+    expected[0].index_copy_(0, slots, k)
+    expected[1].index_copy_(0, slots, v)
+    KERNEL.write_kv(cache[0], cache[1], slots, k, v)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        KERNEL.write_kv(cache[0], cache[1], torch.tensor([0, 200] + [1] * (tokens - 2)), k, v)
+    assert torch.equal(cache, expected)  # a bad slot is caught before anything is written
+
+
+def test_write_kv_falls_back_to_index_copy_for_strided_rows() -> None:
+    kv_heads, dim = 2, 8
+    k = torch.randn(dim, 5, kv_heads).permute(1, 2, 0)  # [5, KVH, d] with a strided head dim
+    v = torch.randn(5, kv_heads, dim)
+    slots = torch.tensor([9, 0, 4, 3, 7])
+    cache = torch.zeros(2, 10, kv_heads, dim)
+    write_kv(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache[0, slots], k) and torch.equal(cache[1, slots], v)
 
 
 @needs_kernel

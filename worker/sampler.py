@@ -15,6 +15,18 @@ from itertools import chain
 import torch
 
 from engine.step_types import SampledToken
+from worker.layers.fused_ops import fused_ops_for
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D float32 tensor; on the CPU one C++ pass per row when the kernels build
+    (torch's CPU argmax reads a [64, 8192] batch at ~3 GB/s: ~0.6 ms of a batch-64 decode step)."""
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and x.stride(-1) == 1 and (
+            ops := fused_ops_for(x)) is not None:
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        ops.argmax_rows(out, x)
+        return out
+    return x.argmax(dim=-1)
 
 
 @dataclass
@@ -69,7 +81,7 @@ class Sampler:
         if batch.needs_penalties:
             logits = apply_penalties(logits, batch)
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, batch)
         token_list = tokens.tolist()
@@ -82,7 +94,7 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor(batch.temperature, device=device)
         greedy = temperature < 1e-5
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax_rows(logits)
         logits = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
         if any(batch.min_p):
             probs = torch.softmax(logits, dim=-1)
@@ -95,7 +107,7 @@ class Sampler:
         else:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
             probs = torch.softmax(logits, dim=-1)
-            sampled = (probs / self._exponential_noise(probs, batch.generators, batch.temperature)).argmax(dim=-1)
+            sampled = argmax_rows(probs / self._exponential_noise(probs, batch.generators, batch.temperature))
         return torch.where(greedy, greedy_tokens, sampled)
 
     def _sample_top_k(self, logits: torch.Tensor, batch: SamplingBatch, widest_k: int) -> torch.Tensor:

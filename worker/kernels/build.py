@@ -6,7 +6,7 @@ Rules:
   logs exactly one warning line and the caller uses its pure-PyTorch path. A result (module or None)
   is kept for the life of the process.
 - Builds are cached in ``cache_root()`` (default ``~/.cache/redserve/kernels``), one dir
-  per (sources' content, torch version, compiler flags, CPU flags): ``-march=native`` code is only ever
+  per (sources' and ``csrc/*.h`` headers' content, torch version, compiler flags, CPU flags): ``-march=native`` code is only ever
   loaded on the CPU it was built for, and an edit to a source or a torch upgrade builds afresh.
 - A file lock per build dir makes concurrent processes (engines, TP workers) build once and wait for it;
   a build killed midway (timeout, Ctrl-C) leaves nothing that blocks the next one.
@@ -59,7 +59,7 @@ def _cpu_flags() -> str:
 def build_key(sources: list[Path]) -> str:
     """16 hex digits over everything that makes a build unfit for reuse."""
     digest = hashlib.sha256()
-    for path in sources:
+    for path in [*sources, *sorted(CSRC.glob("*.h"))]:  # the shared headers any source may include
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), _cpu_flags()):
         digest.update(part.encode() + b"\0")

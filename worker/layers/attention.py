@@ -12,7 +12,8 @@ tensors with ``enable_gqa`` (K/V never repeated), the layout torch's fused flash
 cached prefix and no window runs ``is_causal``, the rest with the chunk's [tokens, context] mask). Runs on
 CPU and CUDA with plain torch ops.
 
-On CPU, when the C++ kernel builds (``worker.kernels``, csrc/paged_attention.cpp), decodes instead go
+On CPU, when the C++ kernel builds (``worker.kernels``, csrc/paged_attention.cpp), the step's K/V rows are
+written by one kernel call (``write_kv``) instead of two ``index_copy_``, and decodes go
 through one kernel call per layer that reads each cached K/V row once, straight from the cache through
 the block tables (``PagedBatch``), GQA groups sharing each read. The kernel serves prefill chunks over
 a cached prefix too, but SDPA's GEMMs win from about 8 queries on, so ``InputBatch`` (which decides the
@@ -108,6 +109,18 @@ class AttentionMetadata:
         return self.decode_window_masks[window]
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """``k_cache[slots] = k`` and ``v_cache[slots] = v``: one C++ call on the CPU when the kernel builds and
+    each token's K/V row is contiguous (also as views into the qkv output), else two ``index_copy_``."""
+    kernel = paged_attention_kernel() if k_cache.device.type == "cpu" else None
+    if kernel is not None and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)):
+        kernel.write_kv(k_cache, v_cache, slots, k, v)
+        return
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
 class PagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
                  sliding_window: int | None = None, softcap: float | None = None):
@@ -132,8 +145,7 @@ class PagedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, KVH, d]; kv_cache: [2, num_slots, KVH, d]. Returns [T, H*d]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = meta.output_like(q)
         if meta.paged is not None:
             self._paged(q, k_cache, v_cache, meta.paged, out)

@@ -1,7 +1,8 @@
 // Fused CPU ops for the decoder layers: RMSNorm (optionally with the residual add folded in) and RoPE
 // applied in place to q and k. One call replaces the 5-12 torch ops (and their temporaries) each of
 // these takes, which is what they cost at small batch. float32 and bfloat16 only; the Python side
-// sends anything else to its torch path.
+// sends anything else to its torch path. Two float32-only ops beside them: SiLU-and-mul of the MLP
+// (one pass over gate and up, exp eight lanes at a time on AVX2) and the sampler's row-wise argmax.
 //
 // Rules: rounding follows the Hugging Face / PyTorch op sequence in the tensor's own dtype, so float32
 // agrees with the torch path up to summation order, and bfloat16 rounds at the same points: the norm
@@ -19,6 +20,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+
+#include "simd_exp.h"
 
 namespace {
 
@@ -88,6 +92,49 @@ void rotate_head(typename S::T* __restrict x1, typename S::T* __restrict x2, con
     x1[i] = S::store(round_to<S>(a * c) - round_to<S>(b * s));
     x2[i] = S::store(round_to<S>(b * c) + round_to<S>(a * s));
   }
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i], as torch's float32 silu then mul.
+inline void silu_mul_row(float* __restrict out, const float* gate, const float* up, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, redserve_simd::exp_avx2(_mm256_sub_ps(zero, g))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// The first index of the row's maximum; a NaN counts as the maximum (torch.argmax's rule).
+inline int64_t argmax_row(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x), unordered = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float lane : lanes) best = std::max(best, lane);
+    nan = _mm256_movemask_ps(unordered) != 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    if (nan ? std::isnan(x[j]) : x[j] == best) return j;
+  }
+  return 0;
 }
 
 struct Rows {  // a 2-D [tokens, n] or 3-D [tokens, heads, n] view with a contiguous last dim
@@ -199,10 +246,46 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
+// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (the packed gate/up projection); float32 rows
+// with a contiguous last dim.
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && x.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat, "silu_and_mul takes float32 CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "x and out must be 2-D rows");
+  TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1),
+              "x must be [T, 2I] and out [T, I]");
+  const int64_t tokens = x.size(0), inter = out.size(1);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tokens, grain_rows(x.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * x.stride(0);
+      silu_mul_row(op + t * out.stride(0), row, row + inter, inter);
+    }
+  });
+}
+
+// out[t] = argmax(x[t]) for float32 x [T, V] (rows contiguous in their last dim) into int64 out [T].
+void argmax_rows(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 CPU tensor [T, V] with contiguous rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax of an empty row");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) &&
+                  out.is_contiguous(), "out must be a contiguous int64 CPU tensor [T]");
+  const int64_t n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * x.stride(0), n);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * (offset + w); out may alias x");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_embedding", &rotary_embedding, "neox RoPE on q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over x = [gate | up] (float32)");
+  m.def("argmax_rows", &argmax_rows, "out[t] = argmax(x[t]) (float32; first maximum, NaN counts as the maximum)");
 }

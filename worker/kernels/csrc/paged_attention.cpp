@@ -33,9 +33,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd_exp.h"
 
 namespace {
 
@@ -98,28 +96,8 @@ inline void accumulate_values(float* acc, const float* p, const T* v, int64_t va
   }
 }
 
-
 // p[j] = exp(p[j] - shift) for j in [lo, hi); returns their sum. The arguments are <= 0 (shift is the
 // running max), so exp's range reduction only meets underflow, which goes to 0 as std::exp does.
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp_avx2(__m256 x) {  // Cephes' expf polynomial on [-ln2/2, ln2/2], 2^n from the exponent bits
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
-
 inline float exp_shifted_sum(float* p, int64_t lo, int64_t hi, float shift) {
   int64_t j = lo;
   float sum = 0.f;
@@ -127,7 +105,7 @@ inline float exp_shifted_sum(float* p, int64_t lo, int64_t hi, float shift) {
   __m256 acc = _mm256_setzero_ps();
   const __m256 m = _mm256_set1_ps(shift);
   for (; j + 8 <= hi; j += 8) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
+    const __m256 e = redserve_simd::exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), m));
     _mm256_storeu_ps(p + j, e);
     acc = _mm256_add_ps(acc, e);
   }
@@ -479,6 +457,42 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   });
 }
 
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for every token t: the step's new K/V rows
+// (KVH * d elements each, k and v [T, KVH, d] with contiguous rows, e.g. views into the qkv output)
+// written into the caches [num_slots, KVH, d]. One call for both, in place of two index_copy_.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k.device().is_cpu() && slots.device().is_cpu(), "write_kv runs on CPU tensors");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "slots must be a contiguous int64 tensor");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
+                  k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) && k.size(0) == slots.size(0),
+              "expected k/v [T, KVH, d], caches [num_slots, KVH, d] and T slots");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(), "k, v and the caches must share a dtype");
+  const int64_t row = k.size(1) * k.size(2);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "each token's K/V row must be contiguous");
+  }
+  const int64_t tokens = slots.size(0), num_slots = k_cache.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot out of range");
+  const int64_t bytes = row * static_cast<int64_t>(k.element_size());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t es = k.element_size();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, 2 * bytes)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slot[t] * k_cache.stride(0) * es, kp + t * k.stride(0) * es, bytes);
+      std::memcpy(vc + slot[t] * v_cache.stride(0) * es, vp + t * v.stride(0) * es, bytes);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "k_cache[slots[t]] = k[t]; v_cache[slots[t]] = v[t] (CPU)");
   m.def("paged_attention", &paged_attention, "Paged attention over a block-paged KV cache (CPU)");
 }
