@@ -4,6 +4,12 @@ Prints output tokens/s for N prompts of IN tokens in / OUT tokens out (ignore_eo
 output token at batch 1, all in one run so the figures compare as ratios.
 
     python benchmarks/bench_offline.py [--model DIR] [--num-prompts 64] [--input-len 128] [--output-len 128]
+        [--rounds 3]
+
+The batch-N engine and transformers runs alternate, ``--rounds`` times each, every round with prompts of its
+own (so the engine's prefix cache never serves an earlier round's); the table shows each row's median and
+the engine/transformers ratio of every round. The machine's speed can drift by 30% within minutes here,
+and a ratio of two runs seconds apart moves far less than either figure.
 
 Every figure is measured on the engine's device (CUDA when present): the transformers baseline and the
 matmul-only forward run there too, and the device is synchronised before each timer is read.
@@ -12,6 +18,7 @@ matmul-only forward run there too, and the device is synchronised before each ti
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -43,10 +50,12 @@ def bench_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> float:
     return elapsed
 
 
-def bench_transformers(model_dir: str, dtype: torch.dtype, device: torch.device, prompts: list[list[int]],
-                       out_len: int) -> float:
+def load_transformers(model_dir: str, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
+def bench_transformers(model, device: torch.device, prompts: list[list[int]], out_len: int) -> float:
     ids = torch.tensor(prompts, device=device)
     with torch.inference_mode():
         synchronize(device)
@@ -89,6 +98,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating engine/transformers runs at batch N")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP size (transformers runs TP 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (transformers runs there too)")
     args = parser.parse_args()
@@ -97,28 +107,37 @@ def main() -> None:
     llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
     device = torch.device(llm.config.device)
     vocab = llm.engine.vocab_size
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     total = args.num_prompts * args.output_len
-    bench_engine(llm, prompts[:4], 8)
-    rows = []
-    t = bench_engine(llm, prompts, args.output_len)
-    rows.append((f"redserve engine, batch {args.num_prompts}", total / t, t / args.output_len * 1e3))
-    t1 = bench_engine(llm, prompts[:1], args.output_len)
-    rows.append(("redserve engine, batch 1", args.output_len / t1, t1 / args.output_len * 1e3))
+    bench_engine(llm, random_prompts(4, args.input_len, vocab, seed=999), 8)
+    hf = None if args.skip_transformers else load_transformers(model_dir, dtype, device)
+    engine_runs, hf_runs = [], []
+    for round_ in range(args.rounds):  # alternate, so a drift of the machine's speed falls on both
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=round_)
+        engine_runs.append(total / bench_engine(llm, prompts, args.output_len))
+        if hf is not None:
+            hf_runs.append(total / bench_transformers(hf, device, prompts, args.output_len))
+    rows = [(f"redserve engine, batch {args.num_prompts}", engine_runs, args.num_prompts)]
+    t1 = bench_engine(llm, random_prompts(1, args.input_len, vocab, seed=1000), args.output_len)
+    rows.append(("redserve engine, batch 1", [args.output_len / t1], 1))
     if args.tensor_parallel_size == 1:
         tm = bench_matmul_only(llm, args.num_prompts, args.output_len)
-        rows.append((f"matmul-only decode, batch {args.num_prompts}", total / tm, tm / args.output_len * 1e3))
+        rows.append((f"matmul-only decode, batch {args.num_prompts}", [total / tm], args.num_prompts))
     llm.shutdown()
-    if not args.skip_transformers:
-        th = bench_transformers(model_dir, dtype, device, prompts, args.output_len)
-        rows.append((f"transformers generate, batch {args.num_prompts}", total / th, th / args.output_len * 1e3))
-        th1 = bench_transformers(model_dir, dtype, device, prompts[:1], args.output_len)
-        rows.append(("transformers generate, batch 1", args.output_len / th1, th1 / args.output_len * 1e3))
+    if hf is not None:
+        rows.append((f"transformers generate, batch {args.num_prompts}", hf_runs, args.num_prompts))
+        th1 = bench_transformers(hf, device, random_prompts(1, args.input_len, vocab, seed=1000), args.output_len)
+        rows.append(("transformers generate, batch 1", [args.output_len / th1], 1))
     print(f"model={model_dir} device={device} dtype={args.dtype} tp={args.tensor_parallel_size} prompts={args.num_prompts} in={args.input_len} "
           f"out={args.output_len} threads={torch.get_num_threads()}")
     print(f"{'what':44s} {'out tok/s':>10s} {'ms/step':>9s}")
-    for name, tps, ms in rows:
-        print(f"{name:44s} {tps:10.0f} {ms:9.2f}")
+    for name, runs, batch in rows:  # ms/step: one decode step's share of the run (prefill included)
+        tps = statistics.median(runs)
+        spread = f"   ({len(runs)} runs: {min(runs):.0f}-{max(runs):.0f})" if len(runs) > 1 else ""
+        print(f"{name:44s} {tps:10.0f} {batch * 1e3 / tps:9.2f}{spread}")
+    if hf_runs:
+        ratios = [e / h for e, h in zip(engine_runs, hf_runs, strict=True)]
+        print(f"engine / transformers at batch {args.num_prompts}, by round: " +
+              ", ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})")
 
 
 if __name__ == "__main__":

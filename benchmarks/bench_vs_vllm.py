@@ -2,11 +2,11 @@
 
     python benchmarks/bench_vs_vllm.py [--model DIR | --smollm2] [--dtype float32|bfloat16|best]
         [--systems redserve,vllm] [--cases c1,c16,c64,prefill] [--num-prompts N] [--json FILE]
-        [--redserve-cmd "PYTHON -m redserve.cli"] [--vllm-venv DIR]
+        [--redserve-cmd "PYTHON -m redserve.cli"] [--vllm-venv DIR] [--rounds N]
 
 Installs vLLM's CPU build into its own venv on first use (``benchmarks/vllm_venv.py``; default
 ~/.cache/redserve/vllm-venv), then serves the model with ``redserve serve`` and with ``vllm serve``,
-one after the other, and runs the same client against each: ``redserve bench serve``
+one after the other (all at once with ``--rounds``), and runs the same client against each: ``redserve bench serve``
 (``redserve/bench_serve.py``: streaming /v1/completions, random token-id prompts, ignore_eos, greedy).
 Prints a markdown table with redserve/vLLM ratios.
 
@@ -16,6 +16,11 @@ Rules:
   max(--num-prompts, concurrency) prompts (default: 4 x concurrency, at least 16), with its own prompts
   (seeded by the case), identical for both systems.
 - Before the cases, each server answers a short warm-up run that is not reported.
+- ``--rounds N`` (N > 1): all servers run at once, and each round runs every case on each system back to
+  back (the order flips every other round); a system's figures are the medians over the rounds, and each
+  round's redserve/vLLM output tok/s ratio is printed too. Use it where the machine's speed drifts from
+  minute to minute (the ratio of one back-to-back pair moves far less than either figure). Every round has
+  its own prompts.
 - ``--dtype best``: redserve runs ``--dtype auto`` (its own hardware rule), vLLM bfloat16 where the CPU
   computes it natively (AVX512-BF16 or AMX), else float32.
 - Ratios are redserve / vLLM for every column; for TTFT/TPOT/ITL lower is better, so < 1 favours redserve.
@@ -24,8 +29,10 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -94,35 +101,100 @@ def smollm2_model_dir() -> str:
     return resolve_model_dir(str(files[0]), in_subprocess=True)
 
 
-def run_cases(base_url: str, cases: list[Case], num_prompts: int | None) -> dict[str, dict]:
+def warm_up(base_url: str) -> None:
     measure(bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=4, input_len=16, output_len=16,
-                       concurrency=4, seed=999))  # warm-up, not reported
-    reports = {}
-    for index, case in enumerate(cases):
-        args = bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=case.num_prompts(num_prompts),
-                          input_len=case.input_len, output_len=case.output_len, concurrency=case.concurrency,
-                          seed=1000 + index)
-        report = measure(args)
-        print(f"[bench] {case.name}: {report['output_tok_per_s']:.1f} out tok/s, {report['completed']} ok, "
-              f"{report['failed']} failed {report['first_error']}".rstrip(), flush=True)
-        reports[case.name] = report
-    return reports
+                       concurrency=4, seed=999))  # not reported
 
 
-def bench_system(system: str, args: argparse.Namespace, model_dir: str, cases: list[Case]) -> dict:
+def run_case(system: str, base_url: str, case: Case, index: int, num_prompts: int | None, round_: int = 0) -> dict:
+    """One case against one server; the prompts depend on the case and the round only (both systems get the
+    same ones, and no round repeats another's, so a prefix cache never serves them from an earlier run)."""
+    args = bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=case.num_prompts(num_prompts),
+                      input_len=case.input_len, output_len=case.output_len, concurrency=case.concurrency,
+                      seed=1000 + index + 100 * round_)
+    report = measure(args)
+    label = f"{system} {case.name}" + (f" round {round_ + 1}" if round_ else "")
+    print(f"[bench] {label}: {report['output_tok_per_s']:.1f} out tok/s, {report['completed']} ok, "
+          f"{report['failed']} failed {report['first_error']}".rstrip(), flush=True)
+    return report
+
+
+def server_spec(system: str, args: argparse.Namespace, model_dir: str):
     port = free_port()
     dtype = system_dtype(system, args.dtype)
     if system == "redserve":
         spec = redserve_spec(args.redserve_cmd, model_dir, dtype, port, SERVED_NAME, args.max_model_len,
                              args.redserve_args)
         spec.env.update(args.redserve_env)
-    else:
-        spec = vllm_spec(args.vllm_venv, model_dir, dtype, port, SERVED_NAME, args.max_model_len, args.vllm_args)
+        return spec
+    return vllm_spec(args.vllm_venv, model_dir, dtype, port, SERVED_NAME, args.max_model_len, args.vllm_args)
+
+
+def bench_system(system: str, args: argparse.Namespace, model_dir: str, cases: list[Case]) -> dict:
+    """One round: this system's server alone, every case, then the server stops."""
+    spec = server_spec(system, args, model_dir)
     started = time.monotonic()
     with running_server(spec, args.log_dir):
         startup_s = time.monotonic() - started
-        reports = run_cases(spec.base_url, cases, args.num_prompts)
-    return {"dtype": dtype, "startup_s": startup_s, "cases": reports}
+        warm_up(spec.base_url)
+        reports = {case.name: run_case(system, spec.base_url, case, i, args.num_prompts)
+                   for i, case in enumerate(cases)}
+    return {"dtype": system_dtype(system, args.dtype), "startup_s": startup_s, "cases": reports}
+
+
+def median_report(reports: list[dict]) -> dict:
+    """Each numeric field's median over the rounds; ``failed`` summed; ``rounds`` keeps every round's report."""
+    out = {key: statistics.median(r[key] for r in reports) for key, value in reports[0].items()
+           if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "failed"}
+    out["failed"] = sum(r.get("failed", 0) for r in reports)
+    out["rounds"] = reports
+    return out
+
+
+def bench_interleaved(args: argparse.Namespace, model_dir: str, cases: list[Case]) -> dict[str, dict]:
+    """``--rounds N`` > 1: every system's server up at once (idle while another is measured); each round
+    runs each case on every system back to back, the systems' order reversed every other round so a drift
+    of the machine's speed falls on both. A system's figures are the medians over the rounds."""
+    results: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for system in args.systems:
+            spec = server_spec(system, args, model_dir)
+            started = time.monotonic()
+            try:
+                stack.enter_context(running_server(spec, args.log_dir))
+            except RuntimeError as e:  # a server that did not start: report it, measure the others
+                print(f"[bench] {system} skipped: {e}", flush=True)
+                results[system] = {"dtype": system_dtype(system, args.dtype), "error": str(e), "cases": {}}
+                continue
+            results[system] = {"dtype": system_dtype(system, args.dtype), "startup_s": time.monotonic() - started,
+                               "cases": {}}
+            urls[system] = spec.base_url
+            warm_up(spec.base_url)
+        runs: dict[str, dict[str, list[dict]]] = {s: {c.name: [] for c in cases} for s in urls}
+        for round_ in range(args.rounds):
+            order = list(urls) if round_ % 2 == 0 else list(reversed(urls))
+            for index, case in enumerate(cases):
+                for system in order:
+                    runs[system][case.name].append(run_case(system, urls[system], case, index, args.num_prompts,
+                                                            round_))
+    for system, by_case in runs.items():
+        results[system]["cases"] = {name: median_report(reports) for name, reports in by_case.items()}
+    return results
+
+
+def round_ratios(results: dict[str, dict], cases: list[str]) -> str:
+    """Per case, redserve/vLLM output tok/s of each round (pairs measured back to back), when both ran."""
+    lines = []
+    for case in cases:
+        try:
+            ours, theirs = results["redserve"]["cases"][case]["rounds"], results["vllm"]["cases"][case]["rounds"]
+        except KeyError:
+            continue
+        per_round = [ratio(a["output_tok_per_s"], b["output_tok_per_s"]) for a, b in zip(ours, theirs, strict=True)]
+        lines.append(f"{case}: redserve/vLLM out tok/s by round " + ", ".join(f"{r:.2f}" for r in per_round) +
+                     f" (min {min(per_round):.2f}, max {max(per_round):.2f})")
+    return "\n".join(lines)
 
 
 def ratio(a: float, b: float) -> float:
@@ -156,6 +228,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--num-prompts", type=int, default=None,
                    help="prompts per case (at least the concurrency; default 4 x concurrency, >= 16)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="> 1: all servers up at once, each case run this many times per system, interleaved; "
+                        "medians reported")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--redserve-cmd", default=f"{sys.executable} -m redserve.cli",
                    help="how to run redserve (e.g. another checkout's python -m redserve.cli)")
@@ -173,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown system(s) {bad}; choose from {list(SYSTEMS)}")
     if bad := [c for c in args.cases if c not in CASES]:
         p.error(f"unknown case(s) {bad}; choose from {list(CASES)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if bad := [e for e in args.redserve_env if "=" not in e]:
         p.error(f"--redserve-env wants KEY=VALUE, got {bad}")
     args.redserve_env = dict(e.split("=", 1) for e in args.redserve_env)
@@ -193,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.tiny_model import ensure_default_model
         model_dir = str(args.model or ensure_default_model())
     cases = [CASES[c] for c in args.cases]
-    results = {}
-    for system in args.systems:
+    results = bench_interleaved(args, model_dir, cases) if args.rounds > 1 else {}
+    for system in args.systems if args.rounds == 1 else ():
         try:
             results[system] = bench_system(system, args, model_dir, cases)
         except RuntimeError as e:  # a server that did not start: report it, measure the others
@@ -204,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
           ", ".join(f"{c.name}={c.input_len} in/{c.output_len} out c={c.concurrency} "
                     f"x{c.num_prompts(args.num_prompts)}" for c in cases) + "\n")
     print(format_table(results, args.cases))
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} interleaved rounds\n" + round_ratios(results, args.cases))
     if args.json:
         args.json.write_text(json.dumps({"model": model_dir, "dtype": args.dtype, "vllm_install_s": install_s,
                                          "results": results}, indent=1))

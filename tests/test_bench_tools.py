@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_servers import ServerSpec, free_port, running_server  # noqa: E402
-from benchmarks.bench_vs_vllm import CASES, format_table, parse_args  # noqa: E402
+from benchmarks.bench_vs_vllm import CASES, format_table, median_report, parse_args, round_ratios  # noqa: E402
 from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
 from redserve.bench_serve import bench_args, percentile  # noqa: E402
 
@@ -62,6 +62,22 @@ def test_cases_and_prompt_counts() -> None:
     assert (CASES["prefill"].input_len, CASES["prefill"].output_len) == (512, 32)
     with pytest.raises(SystemExit):
         parse_args(["--systems", "sglang"])
+
+
+def test_rounds_report_medians_and_each_rounds_ratio() -> None:
+    ours = [_report(600.0, 30.0), _report(500.0, 50.0, failed=1), _report(700.0, 40.0)]
+    theirs = [_report(400.0, 60.0), _report(400.0, 80.0), _report(350.0, 70.0)]
+    med = median_report(ours)
+    assert med["output_tok_per_s"] == 600.0 and med["ttft_ms_p50"] == 40.0 and med["ttft_ms_p99"] == 80.0
+    assert med["failed"] == 1 and med["rounds"] == ours
+    results = {"redserve": {"dtype": "float32", "cases": {"c64": med}},
+               "vllm": {"dtype": "float32", "cases": {"c64": median_report(theirs)}}}
+    assert round_ratios(results, ["c64", "c1"]) == (
+        "c64: redserve/vLLM out tok/s by round 1.50, 1.25, 2.00 (min 1.25, max 2.00)")
+    assert "| c64 | **redserve/vLLM** | 1.50 |" in format_table(results, ["c64"])
+    assert parse_args(["--rounds", "3"]).rounds == 3 and parse_args([]).rounds == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
 
 
 @dataclass
