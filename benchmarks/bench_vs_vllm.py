@@ -15,7 +15,8 @@ Rules:
   32 out at concurrency 16 (read its requests/s and TTFT p50). Each case runs
   max(--num-prompts, concurrency) prompts (default: 4 x concurrency, at least 16), with its own prompts
   (seeded by the case), identical for both systems.
-- Before the cases, each server answers a short warm-up run that is not reported.
+- Before the cases, each server answers a short warm-up run that is not reported, repeated until all of
+  its requests succeed.
 - ``--rounds N`` (N > 1): all servers run at once, and each round runs every case on each system back to
   back (the order flips every other round); a system's figures are the medians over the rounds, and each
   round's redserve/vLLM output tok/s ratio is printed too. Use it where the machine's speed drifts from
@@ -101,9 +102,17 @@ def smollm2_model_dir() -> str:
     return resolve_model_dir(str(files[0]), in_subprocess=True)
 
 
-def warm_up(base_url: str) -> None:
-    measure(bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=4, input_len=16, output_len=16,
-                       concurrency=4, seed=999))  # not reported
+def warm_up(base_url: str, timeout: float = 300.0, pause: float = 1.0) -> None:
+    """A short run, not reported, repeated until every request of it succeeds (or ``timeout``): /health can
+    answer before the engine is ready, and a warm-up that only collected 503s would leave the first measured
+    case to pay the server's one-time costs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = measure(bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=4, input_len=16,
+                                    output_len=16, concurrency=4, seed=999))
+        if not report["failed"] or time.monotonic() >= deadline:
+            return
+        time.sleep(pause)
 
 
 def run_case(system: str, base_url: str, case: Case, index: int, num_prompts: int | None, round_: int = 0) -> dict:

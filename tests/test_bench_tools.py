@@ -80,6 +80,19 @@ def test_rounds_report_medians_and_each_rounds_ratio() -> None:
         parse_args(["--rounds", "0"])
 
 
+def test_warm_up_repeats_until_every_request_succeeds(monkeypatch) -> None:
+    import benchmarks.bench_vs_vllm as bench
+    failures = iter([4, 1, 0, 0])
+    calls = []
+    monkeypatch.setattr(bench, "measure", lambda args: calls.append(args) or {"failed": next(failures)})
+    bench.warm_up("http://127.0.0.1:1", pause=0)
+    assert len(calls) == 3 and calls[0].concurrency == 4
+    calls.clear()
+    monkeypatch.setattr(bench, "measure", lambda args: calls.append(args) or {"failed": 4})
+    bench.warm_up("http://127.0.0.1:1", timeout=0, pause=0)  # a server that never answers: one try, then on
+    assert len(calls) == 1
+
+
 @dataclass
 class FakeEvent:
     name: str
