@@ -22,6 +22,9 @@ Rules:
   round's redserve/vLLM output tok/s ratio is printed too. Use it where the machine's speed drifts from
   minute to minute (the ratio of one back-to-back pair moves far less than either figure). Every round has
   its own prompts.
+- Each measured case starts after ``--settle`` seconds (default 3) of quiet: vLLM's CPU build keeps about one
+  core busy for ~1 s after its last request, which cost the first request of a redserve case that followed
+  it ~350 ms of TTFT (c=1 TTFT p99 ~410 ms against a p50 of ~70 ms, tiny model, 2 cores).
 - ``--dtype best``: redserve runs ``--dtype auto`` (its own hardware rule), vLLM bfloat16 where the CPU
   computes it natively (AVX512-BF16 or AMX), else float32.
 - Ratios are redserve / vLLM for every column; for TTFT/TPOT/ITL lower is better, so < 1 favours redserve.
@@ -115,9 +118,12 @@ def warm_up(base_url: str, timeout: float = 300.0, pause: float = 1.0) -> None:
         time.sleep(pause)
 
 
-def run_case(system: str, base_url: str, case: Case, index: int, num_prompts: int | None, round_: int = 0) -> dict:
-    """One case against one server; the prompts depend on the case and the round only (both systems get the
-    same ones, and no round repeats another's, so a prefix cache never serves them from an earlier run)."""
+def run_case(system: str, base_url: str, case: Case, index: int, num_prompts: int | None, round_: int = 0,
+             settle: float = 0.0) -> dict:
+    """One case against one server, after ``settle`` seconds of quiet; the prompts depend on the case and the
+    round only (both systems get the same ones, and no round repeats another's, so a prefix cache never
+    serves them from an earlier run)."""
+    time.sleep(settle)
     args = bench_args(base_url=base_url, model=SERVED_NAME, num_prompts=case.num_prompts(num_prompts),
                       input_len=case.input_len, output_len=case.output_len, concurrency=case.concurrency,
                       seed=1000 + index + 100 * round_)
@@ -146,7 +152,7 @@ def bench_system(system: str, args: argparse.Namespace, model_dir: str, cases: l
     with running_server(spec, args.log_dir):
         startup_s = time.monotonic() - started
         warm_up(spec.base_url)
-        reports = {case.name: run_case(system, spec.base_url, case, i, args.num_prompts)
+        reports = {case.name: run_case(system, spec.base_url, case, i, args.num_prompts, settle=args.settle)
                    for i, case in enumerate(cases)}
     return {"dtype": system_dtype(system, args.dtype), "startup_s": startup_s, "cases": reports}
 
@@ -186,7 +192,7 @@ def bench_interleaved(args: argparse.Namespace, model_dir: str, cases: list[Case
             for index, case in enumerate(cases):
                 for system in order:
                     runs[system][case.name].append(run_case(system, urls[system], case, index, args.num_prompts,
-                                                            round_))
+                                                            round_, args.settle))
     for system, by_case in runs.items():
         results[system]["cases"] = {name: median_report(reports) for name, reports in by_case.items()}
     return results
@@ -240,6 +246,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="> 1: all servers up at once, each case run this many times per system, interleaved; "
                         "medians reported")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds of quiet before each measured case (vLLM's CPU build keeps a core busy ~1 s "
+                        "after its last request)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--redserve-cmd", default=f"{sys.executable} -m redserve.cli",
                    help="how to run redserve (e.g. another checkout's python -m redserve.cli)")

@@ -76,6 +76,7 @@ def test_rounds_report_medians_and_each_rounds_ratio() -> None:
         "c64: redserve/vLLM out tok/s by round 1.50, 1.25, 2.00 (min 1.25, max 2.00)")
     assert "| c64 | **redserve/vLLM** | 1.50 |" in format_table(results, ["c64"])
     assert parse_args(["--rounds", "3"]).rounds == 3 and parse_args([]).rounds == 1
+    assert parse_args([]).settle == 3.0 and parse_args(["--settle", "0"]).settle == 0.0
     with pytest.raises(SystemExit):
         parse_args(["--rounds", "0"])
 
