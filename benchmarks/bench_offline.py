@@ -9,7 +9,8 @@ output token at batch 1, all in one run so the figures compare as ratios.
 The batch-N engine and transformers runs alternate, ``--rounds`` times each, every round with prompts of its
 own (so the engine's prefix cache never serves an earlier round's); the table shows each row's median and
 the engine/transformers ratio of every round. The machine's speed can drift by 30% within minutes here,
-and a ratio of two runs seconds apart moves far less than either figure.
+and a ratio of two runs seconds apart moves far less than either figure. The engine and the transformers
+model are loaded side by side for that (on CUDA both hold device memory at once).
 
 Every figure is measured on the engine's device (CUDA when present): the transformers baseline and the
 matmul-only forward run there too, and the device is synchronised before each timer is read.
@@ -102,6 +103,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP size (transformers runs TP 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (transformers runs there too)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     model_dir = str(args.model or ensure_default_model())
     dtype = getattr(torch, args.dtype)
     llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
