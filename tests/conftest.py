@@ -4,10 +4,15 @@ Redis: one private, authenticated Redis server per test session (`redis_server`)
 own database, flushed (as the admin user) before and after, and a URL of the application user for it
 (`redis_url`), and its own key prefix (`redis_keys`): pub/sub channels are not per database, so the
 prefix is what keeps tests' channels apart.
+
+Multihost tests (marked ``multihost``) need network namespaces (root, iproute2, nftables): where they cannot
+be made the tests skip, unless ``REDSERVE_REQUIRE_MULTIHOST=1`` (set by .ci/run as root, after installing
+both): then each one fails with the reason, so CI never passes without having run them.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import uuid
@@ -26,6 +31,21 @@ from worker.kernels.build import cache_root
 os.environ.setdefault("REDSERVE_KERNEL_CACHE_DIR", str(cache_root()))
 
 _databases = itertools.cycle(range(1, 16))
+
+
+@functools.cache
+def _namespaces_unavailable() -> str | None:
+    from tests import netns
+
+    return netns.unavailable()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("multihost") is None or (reason := _namespaces_unavailable()) is None:
+        return
+    if os.environ.get("REDSERVE_REQUIRE_MULTIHOST") == "1":
+        pytest.fail(f"REDSERVE_REQUIRE_MULTIHOST=1, but the multihost tests cannot run here: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,6 @@ from broker.redis_conf import ServerConfig, render
 from broker.redis_server import redis_server_path
 from tests import netns
 
-UNAVAILABLE = netns.unavailable()  # why namespaces cannot be made here, or None
-
 REDIS_PORT, API_PORT, API_KEY = 6379, 8000, "multihost-key"
 HEARTBEAT_TTL = 2.0
 KEYS = RedisKeys("rs")
