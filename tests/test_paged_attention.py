@@ -255,3 +255,24 @@ def test_install_entry_point_finds_the_built_kernel() -> None:
     result = subprocess.run([sys.executable, "-m", "worker.kernels"], capture_output=True, text=True,
                             timeout=300, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0 and "C++ kernel paged_attention: ready" in result.stdout
+
+
+def test_two_checkouts_with_the_same_sources_share_one_build(tmp_path: Path) -> None:
+    """A build is compiled from a copy in its build dir: loading the same source from another path (a second
+    checkout) reuses it instead of rebuilding over it."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here")
+    source = ("#include <pybind11/pybind11.h>\nint answer() { return 42; }\n"
+              "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"answer\", &answer); }\n")
+    env = {**os.environ, "REDSERVE_KERNEL_CACHE_DIR": str(tmp_path / "cache")}
+    built = []
+    for checkout in ("a", "b"):
+        path = tmp_path / checkout / "answer.cpp"
+        path.parent.mkdir()
+        path.write_text(source)
+        code = f"from worker.kernels import load_extension; print(load_extension('answer', ({str(path)!r},)).answer())"
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert result.stdout.strip() == "42", result.stderr
+        [so] = (tmp_path / "cache").glob("answer-*/answer.so")
+        built.append(so.stat().st_mtime_ns)
+    assert built[0] == built[1], "the second checkout rebuilt the extension"

@@ -10,6 +10,9 @@ Rules:
   loaded on the CPU it was built for, and an edit to a source or a torch upgrade builds afresh.
 - A file lock per build dir makes concurrent processes (engines, TP workers) build once and wait for it;
   a build killed midway (timeout, Ctrl-C) leaves nothing that blocks the next one.
+- The sources and headers are compiled from a copy inside the build dir, never from where they lie, so two
+  checkouts (or an installed copy and a dev tree) with the same key share one build: torch's ninja file
+  names its sources by path, and a different path would rebuild it, each checkout undoing the other's.
 - ``python -m worker.kernels`` builds every ``csrc/*.cpp`` (``make install`` runs it), so serving finds
   the build in the cache instead of compiling on its first request.
 """
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+_LAYOUT = "src/"  # where in a build dir the sources are compiled from (`_copy_sources`): part of the key
 
 
 def cache_root() -> Path:
@@ -61,7 +65,7 @@ def build_key(sources: list[Path]) -> str:
     digest = hashlib.sha256()
     for path in [*sources, *sorted(CSRC.glob("*.h"))]:  # the shared headers any source may include
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), _cpu_flags()):
+    for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), _cpu_flags(), _LAYOUT):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -110,5 +114,18 @@ def _build(name: str, sources: list[Path]) -> ModuleType:
         # torch's own baton file: a build killed midway leaves it behind and every later load would wait on
         # it forever. Under our lock (released by the OS when its holder dies) nobody else is building.
         (build_dir / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
+        copies = _copy_sources(build_dir / "src", sources)
+        return cpp_extension.load(name=name, sources=[str(s) for s in copies], build_directory=str(build_dir),
                                   extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+
+
+def _copy_sources(into: Path, sources: list[Path]) -> list[Path]:
+    """``sources`` and the shared headers copied into ``into`` (a file already there with the same bytes is
+    left alone, so its timestamp does not make ninja rebuild); the copies of ``sources``."""
+    into.mkdir(exist_ok=True)
+    for path in [*sources, *CSRC.glob("*.h")]:
+        copy = into / path.name
+        data = path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return [into / path.name for path in sources]
