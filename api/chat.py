@@ -20,6 +20,10 @@ Rules:
   in pieces as they come (`api.tools.ToolRequest.partial_calls`); at the end, any other content and
   the finish_reason. Streamed calls cannot be taken back: a call cut short (max_tokens) ends as far as
   it went, with that finish_reason, where the non-streamed answer shows the text as content.
+- vLLM's `return_token_ids` adds the rendered prompt's ids at the top (`prompt_token_ids`) and each
+  choice's generated ids (`token_ids`, an EOS or stop token included). Streamed, the first chunk carries
+  `prompt_token_ids` and each chunk's choice the ids it adds (on the last chunk of a delta's several, as
+  logprobs); no delta is skipped then, even one that adds no text.
 """
 
 from __future__ import annotations
@@ -120,31 +124,43 @@ class _ChatView:
             message: dict[str, Any] = {"role": "assistant", "content": found.content if found.calls else r.text}
             if found.calls:
                 message["tool_calls"] = tool_call_dicts(found.calls)
-            choices.append({"index": r.index, "message": message, "logprobs": self._logprobs(r.token_ids, r.logprobs),
-                            "finish_reason": "tool_calls" if found.calls else r.finish_reason,
-                            "stop_reason": r.stop_reason})
+            choices.append(self._with_token_ids({
+                "index": r.index, "message": message, "logprobs": self._logprobs(r.token_ids, r.logprobs),
+                "finish_reason": "tool_calls" if found.calls else r.finish_reason, "stop_reason": r.stop_reason},
+                r.token_ids))
         answer = {**self._envelope("chat.completion", choices), "usage": usage(self.run)}
+        if self.request.return_token_ids:
+            answer["prompt_token_ids"] = self.prompt
         if self.request.show_prompt_logprobs:  # one prompt for all the choices: the first entries that came
             entries = next((r.prompt_logprobs for r in results if r.prompt_logprobs is not None), None)
             answer["prompt_logprobs"] = vllm_prompt_logprobs(self._token_name, self.prompt, entries)
         return answer
 
+    def _with_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        if self.request.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
     def role_chunks(self) -> list[dict[str, Any]]:
-        return [self._envelope("chat.completion.chunk", [
+        chunks = [self._envelope("chat.completion.chunk", [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
             for i in range(self.request.params.n)]
+        if self.request.return_token_ids:
+            chunks[0]["prompt_token_ids"] = self.prompt
+        return chunks
 
     def chunk(self, delta: ChoiceOutput) -> list[dict[str, Any]]:
         if self._parses_tools:
             return self._tool_chunks(delta)
-        if not delta.text and delta.finish_reason is None and not self.request.logprobs:
+        if not delta.text and delta.finish_reason is None and not self.request.logprobs \
+                and not self.request.return_token_ids:
             return []
         choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
                   "logprobs": self._logprobs(delta.token_ids, delta.logprobs) if delta.token_ids else None,
                   "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.stop_reason
-        return [self._envelope("chat.completion.chunk", [choice])]
+        return [self._envelope("chat.completion.chunk", [self._with_token_ids(choice, delta.token_ids)])]
 
     def _tool_chunks(self, delta: ChoiceOutput) -> list[dict[str, Any]]:
         """Content up to any call marker as it comes, then the calls as they are written (see the rules)."""
@@ -158,9 +174,9 @@ class _ChatView:
             self._sent_chars[delta.index] = ready
             deltas = [{"content": text[sent:ready]}] if ready > sent else []
             deltas += self._call_deltas(delta.index, self.request.tools.partial_calls(text, parser))
-            if not deltas and not self.request.logprobs:
+            if not deltas and not self.request.logprobs and not self.request.return_token_ids:
                 return []
-            return self._chunks(delta.index, deltas or [{}], logprobs, None)
+            return self._chunks(delta.index, deltas or [{}], logprobs, None, delta.token_ids)
         found = self._tool_calls(text)
         streamed = self._streamed_calls.get(delta.index)
         if not found.calls:
@@ -175,7 +191,8 @@ class _ChatView:
         deltas += self._call_deltas(delta.index, partial)
         last = {"index": delta.index, "delta": {}, "logprobs": logprobs,
                 "finish_reason": "tool_calls" if found.calls else delta.finish_reason, "stop_reason": delta.stop_reason}
-        return [*self._chunks(delta.index, deltas, None, None), self._envelope("chat.completion.chunk", [last])]
+        return [*self._chunks(delta.index, deltas, None, None, []),
+                self._envelope("chat.completion.chunk", [self._with_token_ids(last, delta.token_ids)])]
 
     def _call_deltas(self, index: int, calls: list[PartialCall]) -> list[dict[str, Any]]:
         """OpenAI's tool-call deltas for what `calls` add to what this choice has sent: a call's index, id,
@@ -196,10 +213,12 @@ class _ChatView:
         return deltas
 
     def _chunks(self, index: int, deltas: list[dict[str, Any]], logprobs: dict | None,
-                finish_reason: str | None) -> list[dict[str, Any]]:
-        return [self._envelope("chat.completion.chunk", [
-            {"index": index, "delta": d, "logprobs": logprobs if k == len(deltas) - 1 else None,
-             "finish_reason": finish_reason}]) for k, d in enumerate(deltas)]
+                finish_reason: str | None, token_ids: list[int]) -> list[dict[str, Any]]:
+        """One chunk per delta; the last carries the logprobs and token ids of what they add."""
+        last = len(deltas) - 1
+        return [self._envelope("chat.completion.chunk", [self._with_token_ids(
+            {"index": index, "delta": d, "logprobs": logprobs if k == last else None, "finish_reason": finish_reason},
+            token_ids if k == last else [])]) for k, d in enumerate(deltas)]
 
     def usage_chunks(self) -> list[dict[str, Any]]:
         if not self.request.include_usage:

@@ -10,6 +10,9 @@ Rules:
 - `echo` with `max_tokens` 0 answers the prompt alone: the one token generated is dropped (as vLLM).
 - vLLM's `prompt_logprobs` K in the body adds `prompt_logprobs` to each (non-streamed) choice:
   ``[None, {token_id: {logprob, rank, decoded_token}}, ...]`` with the prompt token and the top-K.
+- vLLM's `return_token_ids` adds to each choice `prompt_token_ids` (its prompt's ids) and `token_ids` (the
+  ids it generated, an EOS or stop token included); streamed, each chunk's `token_ids` are the ids it adds
+  (no delta is skipped then, even one that adds no text) and a choice's first chunk carries the prompt's.
 - Streaming chunks are ``text_completion`` objects; `stream_options.include_usage` adds a last
   chunk with empty choices and the usage. Every choice ends with a chunk carrying finish_reason.
 """
@@ -74,6 +77,7 @@ class _CompletionView:
         self.want_logprobs = request.logprobs is not None
         self._logprobs: dict[int, CompletionLogprobs] = {}
         self._echoed: set[int] = set()
+        self._prompt_ids_sent: set[int] = set()
         self._token_name = token_namer(state, request.return_tokens_as_token_ids)
 
     def _prompt_text(self, p: int) -> str:
@@ -93,9 +97,15 @@ class _CompletionView:
         return text, logprobs
 
     def _choice(self, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: int | str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
+                stop_reason: int | str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        if self.request.return_token_ids:
+            if index not in self._prompt_ids_sent:  # the choice's first chunk (or its whole answer)
+                self._prompt_ids_sent.add(index)
+                choice["prompt_token_ids"] = self.prompts[index // self.n]
+            choice["token_ids"] = token_ids or []
+        return choice
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -111,7 +121,7 @@ class _CompletionView:
                 self._builder(result.index).add(result.token_ids, result.logprobs)
                 logprobs = self._builder(result.index).total
             choice = self._choice(result.index, text + result.text, logprobs, result.finish_reason,
-                                  result.stop_reason)
+                                  result.stop_reason, result.token_ids)
             if self.request.show_prompt_logprobs:
                 p = result.index // self.n
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self._token_name, self.prompts[p],
@@ -134,11 +144,12 @@ class _CompletionView:
             delta.text, delta.token_ids, delta.logprobs = "", [], None
             if delta.finish_reason is None:
                 return head
-        if not delta.text and delta.finish_reason is None and not self.want_logprobs:
+        if not delta.text and delta.finish_reason is None and not self.want_logprobs \
+                and not self.request.return_token_ids:
             return head
         logprobs = self._builder(delta.index).add(delta.token_ids, delta.logprobs) if self.want_logprobs else None
         return head + [self._envelope([self._choice(delta.index, delta.text, logprobs, delta.finish_reason,
-                                                    delta.stop_reason)])]
+                                                    delta.stop_reason, delta.token_ids)])]
 
     def usage_chunks(self) -> list[dict[str, Any]]:
         if not self.request.include_usage:

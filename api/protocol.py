@@ -7,7 +7,8 @@ Rules:
 - Strings must be Unicode text: a lone surrogate ("\\ud800", valid JSON) anywhere in the body is a 400.
 - vLLM's extra sampling fields are accepted: top_k, min_p, repetition_penalty, ignore_eos,
   min_tokens, stop_token_ids, seed, include_stop_str_in_output, skip_special_tokens; and vLLM's
-  `return_tokens_as_token_ids` (logprob tokens written "token_id:N").
+  `return_tokens_as_token_ids` (logprob tokens written "token_id:N") and `return_token_ids` (the prompt's
+  and each choice's token ids in the response, in vLLM's fields: see `api.completions`, `api.chat`).
 - The sampling parameters are checked by `SamplingParams` (its ValueError becomes a 400 naming the
   field). Bounded cost: at most 16 stop strings of 4096 UTF-8 bytes in all, at most 1024
   stop_token_ids (400 naming `stop` / `stop_token_ids`).
@@ -154,6 +155,7 @@ class CommonRequest:
     include_usage: bool = False
     user: str | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
 
 
 @dataclass
@@ -263,7 +265,8 @@ def _common(body: Body, params: SamplingParams) -> dict[str, Any]:
     include_usage = Body(options).get("include_usage", "bool", False) if options else False
     return {"model": body.get("model", "str"), "params": params, "stream": stream,
             "include_usage": include_usage, "user": body.get("user", "str"),
-            "return_tokens_as_token_ids": body.get("return_tokens_as_token_ids", "bool", False)}
+            "return_tokens_as_token_ids": body.get("return_tokens_as_token_ids", "bool", False),
+            "return_token_ids": body.get("return_token_ids", "bool", False)}
 
 
 def _sampling_params(body: Body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
