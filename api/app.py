@@ -39,7 +39,7 @@ from api.errors import ApiError, bad_request, sse_error
 from api.generation import ClientDisconnected
 from api.generation_defaults import apply_generation_defaults
 from api.log_safety import printable
-from api.metrics import EngineStatsCollector, render_metrics
+from api.metrics import EngineStatsCollector, render_metrics, start_at_zero
 from api.protocol import Body, parse_messages
 from api.serving import check_model, check_prompt_chars, prompt_token_ids
 from api.state import ApiState, disconnect_probe
@@ -64,6 +64,7 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
     collector = EngineStatsCollector(config.model_name, state.live_engines, state.child_restarts,
                                      state.routing_counts)
     created = int(time.time())
+    start_at_zero(config.model_name)
 
     open_paths = {"/health", "/metrics"} if config.public_metrics else {"/health"}
 

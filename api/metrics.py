@@ -47,7 +47,9 @@ Rules:
   worker imports prometheus_client; every worker writes its samples there and a scrape of any
   worker sums them (`MultiProcessCollector`). Without that variable (tests, one process) the
   default registry is used.
-- Request metrics ("API" above) are observed once per API request when it finishes (one per
+- Request metrics ("API" above) exist from the API's start (`start_at_zero`): every labelled counter at 0
+  for each value its label can take (finish reasons, `ErrorCode`s, migration reasons). They are observed
+  once per API request when it finishes (one per
   finished choice for request_success_total; request_failure_total once per failed or abandoned
   request, which observes no histogram). Token histograms count the tokens the engine generated.
 - Engine metrics ("engine" above) are read from the engines' Redis hashes at scrape time, not kept
@@ -79,6 +81,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from broker.control_state import warn_bad
+from broker.messages import ErrorCode, FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +120,25 @@ REQUEST_SUCCESS = Counter("redserve:request_success", "Finished choices, by fini
                           [*_MODEL, "finished_reason"])
 REQUEST_FAILURE = Counter("redserve:request_failure", "Failed or abandoned requests, by reason.",
                           [*_MODEL, "reason"])
+MIGRATION_REASONS = ("engine_exited", "engine_failed", "engine_restarted", "heartbeat_expired")  # broker.in_flight
 REQUEST_MIGRATIONS = Counter("redserve:request_migrations",
                              "Started requests resumed on another engine (`broker.client_migration`), by why "
-                             "their engine was declared gone: engine_exited, engine_failed, engine_restarted, "
-                             "heartbeat_expired.", [*_MODEL, "reason"])
+                             f"their engine was declared gone: {', '.join(MIGRATION_REASONS)}.", [*_MODEL, "reason"])
 IN_FLIGHT = Gauge("redserve:api_requests_in_flight", "Generation requests in flight in the API.", _MODEL,
                   multiprocess_mode="livesum")
+
+
+def start_at_zero(model_name: str) -> None:
+    """Create this model's request series, each labelled counter for every value its label can take, so
+    that a scrape shows 0 (not "No data") before the first request, failure or migration (as vLLM does)."""
+    for metric in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, E2E_LATENCY, TIME_PER_OUTPUT_TOKEN, REQUEST_PROMPT_TOKENS,
+                   REQUEST_GENERATION_TOKENS, REQUEST_MAX_GENERATION_TOKENS, REQUEST_PARAMS_N,
+                   REQUEST_PARAMS_MAX_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, IN_FLIGHT):
+        metric.labels(model_name)
+    for counter, values in ((REQUEST_SUCCESS, FinishReason), (REQUEST_FAILURE, ErrorCode),
+                            (REQUEST_MIGRATIONS, MIGRATION_REASONS)):
+        for value in values:
+            counter.labels(model_name, str(value))
 
 
 class RequestRecorder:

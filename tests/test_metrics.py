@@ -17,7 +17,8 @@ import requests
 from engine_helpers import BLOCK, PROMPTS, greedy, make_llm, random_prompt
 from stack_procs import wait_for
 
-from api.metrics import EngineStatsCollector, engine_histograms
+from api.metrics import MIGRATION_REASONS, EngineStatsCollector, engine_histograms
+from broker.messages import ErrorCode, FinishReason
 from engine.step_metrics import ITERATION_TOKENS, StepMetrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "monitoring" / "grafana" / "redserve-dashboard.json"
@@ -161,3 +162,23 @@ def test_every_dashboard_series_is_in_metrics_after_traffic(api_stack) -> None:
     hits = metric_sum(text, "redserve:prefix_cache_hits_total") - metric_sum(before, "redserve:prefix_cache_hits_total")
     assert hits >= BLOCK, "the second request did not hit the prefix cache"
     assert metric_sum(text, "redserve:request_params_n_sum") - metric_sum(before, "redserve:request_params_n_sum") >= 4
+
+
+def test_a_fresh_api_shows_every_request_series_at_zero(api_stack) -> None:
+    """Before any request, each labelled counter is 0 for every value its label can take, and the dashboard's
+    API panels have their series (no "No data"); summed over the gunicorn workers, as a scrape sees them."""
+    proc, base = api_stack.spawn_api("api-fresh-metrics", "--public-metrics")
+    try:
+        api_stack.wait_healthy(base, watch=(proc,))
+        text = requests.get(f"{base}/metrics", timeout=10).text
+    finally:
+        api_stack.stop_process(proc)
+    labelled = {"request_success_total": ("finished_reason", FinishReason),
+                "request_failure_total": ("reason", ErrorCode),
+                "request_migrations_total": ("reason", MIGRATION_REASONS)}
+    for name, (label, values) in labelled.items():
+        found = dict(re.findall(rf'^redserve:{name}{{[^}}]*{label}="([a-z_]+)"[^}}]*}} (\S+)$', text, re.M))
+        assert found == {str(v): "0.0" for v in values}, name
+    for name in ("prompt_tokens_total", "generation_tokens_total", "e2e_request_latency_seconds_count",
+                 "time_to_first_token_seconds_count", "api_requests_in_flight"):
+        assert re.search(rf"^redserve:{name}{{[^}}]*}} 0\.0$", text, re.M), name
