@@ -20,7 +20,7 @@ class ApiConfig:
     /health needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
     requests carry their own chat template (the caller's Jinja runs here). `tool_call_parser` and
     `enable_auto_tool_choice`: see `api.tools`. `max_migrations`: how many times a started request may
-be resumed on another engine when its engine goes (`broker.client_migration`; 0: never). `generation_config`:
+be resumed on another engine when its engine goes (`broker.client.migration`; 0: never). `generation_config`:
     see `api.generation_defaults`.
     """
 

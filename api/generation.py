@@ -16,7 +16,7 @@ Rules:
   Both abort everything; the metrics' failure label is the `ErrorCode` (client_disconnected for the latter).
 - `close()` aborts whatever still runs and records the request's metrics; call it in a `finally`
   (or use `with`). completion_tokens counts the tokens consumed, up to a stop string's last token.
-- A request whose engine dies is resumed on another one by the broker client (`broker.client_migration`)
+- A request whose engine dies is resumed on another one by the broker client (`broker.client.migration`)
   behind the same handle: its outputs just go on (no token twice, same index), so the detokenizer, the stop
   strings and the counts here carry on across the move with nothing to do.
 """
@@ -30,8 +30,8 @@ from typing import Protocol
 
 from api.detokenizer import Decoder, IncrementalDetokenizer
 from api.stop_strings import StopStringMatcher
+from broker.client.request_handle import RequestHandle
 from broker.messages import AddRequest, ErrorCode, FinishReason, RequestOutput, make_error
-from broker.request_handle import RequestHandle
 from broker.sampling_params import SamplingParams
 
 

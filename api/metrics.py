@@ -120,9 +120,9 @@ REQUEST_SUCCESS = Counter("redserve:request_success", "Finished choices, by fini
                           [*_MODEL, "finished_reason"])
 REQUEST_FAILURE = Counter("redserve:request_failure", "Failed or abandoned requests, by reason.",
                           [*_MODEL, "reason"])
-MIGRATION_REASONS = ("engine_exited", "engine_failed", "engine_restarted", "heartbeat_expired")  # broker.in_flight
+MIGRATION_REASONS = ("engine_exited", "engine_failed", "engine_restarted", "heartbeat_expired")  # broker.client.in_flight
 REQUEST_MIGRATIONS = Counter("redserve:request_migrations",
-                             "Started requests resumed on another engine (`broker.client_migration`), by why "
+                             "Started requests resumed on another engine (`broker.client.migration`), by why "
                              f"their engine was declared gone: {', '.join(MIGRATION_REASONS)}.", [*_MODEL, "reason"])
 IN_FLIGHT = Gauge("redserve:api_requests_in_flight", "Generation requests in flight in the API.", _MODEL,
                   multiprocess_mode="livesum")

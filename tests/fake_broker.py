@@ -24,7 +24,7 @@ Script = Callable[[AddRequest], list[RequestOutput | None]]
 
 
 class FakeHandle:
-    """Mimics broker.request_handle.RequestHandle over a scripted list (None = nothing yet, forever)."""
+    """Mimics broker.client.request_handle.RequestHandle over a scripted list (None = nothing yet, forever)."""
 
     def __init__(self, add: AddRequest, outputs: list[RequestOutput | None]) -> None:
         self.request_id = add.request_id

@@ -103,6 +103,6 @@ def test_client_heartbeat_and_stop(cluster):
 def test_client_refuses_use_after_fork(cluster, monkeypatch):
     client = cluster.client()
     real_pid = os.getpid()  # the client was started here
-    monkeypatch.setattr("broker.client.os.getpid", lambda: real_pid + 1)
+    monkeypatch.setattr("broker.client.client.os.getpid", lambda: real_pid + 1)
     with pytest.raises(RuntimeError, match="another process"):
         client.submit(add())

@@ -1,4 +1,4 @@
-"""BrokerClient resumes started requests on another engine (`broker.client_migration`): real Redis, fake
+"""BrokerClient resumes started requests on another engine (`broker.client.migration`): real Redis, fake
 engines that continue a sequence from its prompt, so a continuation is checked token by token."""
 # ruff: noqa: F811 - test parameters named after the fixtures imported from broker_fakes
 

@@ -1,4 +1,4 @@
-"""The client's in-flight table (`broker.in_flight.InFlightTable`) on its own: no Redis, no threads.
+"""The client's in-flight table (`broker.client.in_flight.InFlightTable`) on its own: no Redis, no threads.
 
 Each test drives the table the way the listener and maintenance threads do and checks what reaches the
 callers' mailboxes, what is left to ABORT and how the engines' load counts move."""
@@ -10,7 +10,9 @@ from collections import Counter
 
 import pytest
 
-from broker.in_flight import InFlightTable
+from broker.client.in_flight import InFlightTable
+from broker.client.mailbox import Mailbox
+from broker.client.request_resume import resume_blocker
 from broker.messages import (
     AddRequest,
     EngineOutputs,
@@ -19,8 +21,6 @@ from broker.messages import (
     RequestOutput,
     UtilityResult,
 )
-from broker.request_handle import Mailbox
-from broker.request_resume import resume_blocker
 
 LIVE = {"e0": {"incarnation": "i0"}, "e1": {"incarnation": "i1"}}
 

@@ -1,16 +1,19 @@
-"""The continuation of a started request (`broker.request_resume`) and the migration limit
-(`broker.client_migration.Migrator.blocker`): pure functions, no Redis."""
+"""The continuation of a started request (`broker.client.request_resume`) and the migration limit
+(`broker.client.migration.migration_blocker`): pure functions, no Redis."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from broker.client_migration import Migrator
+from broker.client.mailbox import Mailbox
+from broker.client.migration import migration_blocker
+from broker.client.request_resume import (
+    continuation_adds,
+    continuation_params,
+    continuation_seed,
+    resume_blocker,
+)
 from broker.messages import AddRequest
-from broker.request_handle import Mailbox
-from broker.request_resume import continuation_adds, continuation_params, continuation_seed, resume_blocker
 from broker.sampling_params import SamplingParams
 
 
@@ -75,12 +78,11 @@ def test_requests_whose_state_a_prompt_cannot_carry_are_not_resumed() -> None:
 
 
 def test_a_request_moves_at_most_max_migrations_times() -> None:
-    migrator = Migrator(SimpleNamespace(settings=SimpleNamespace(max_migrations=2)))
     mb = Mailbox(add=_add(temperature=0), engine_id="0", incarnation="x", n=1)
-    assert migrator.blocker(mb) is None
+    assert migration_blocker(mb, max_migrations=2) is None
     mb.migrations = 2
-    assert "moved 2 time(s)" in migrator.blocker(mb)
-    off = Migrator(SimpleNamespace(settings=SimpleNamespace(max_migrations=0))).blocker(Mailbox(add=_add(), engine_id="0", incarnation="x", n=1))
+    assert "moved 2 time(s)" in migration_blocker(mb, max_migrations=2)
+    off = migration_blocker(Mailbox(add=_add(), engine_id="0", incarnation="x", n=1), max_migrations=0)
     assert off == "resuming is off (--max-migrations 0)"
 
 

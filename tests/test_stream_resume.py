@@ -140,7 +140,7 @@ class ResumeStack:
 
 def _resume_logged_at(log: str) -> float:
     """Wall time of the last "resumed request" line of the API log (local time, ms)."""
-    stamp = re.findall(r"^(\S+ \S+),(\d{3}) INFO broker.client_migration.*resumed request", log, re.M)[-1]
+    stamp = re.findall(r"^(\S+ \S+),(\d{3}) INFO broker.client.migration.*resumed request", log, re.M)[-1]
     return time.mktime(time.strptime(stamp[0], "%Y-%m-%d %H:%M:%S")) + int(stamp[1]) / 1000
 
 

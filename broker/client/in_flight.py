@@ -1,5 +1,5 @@
 """The in-flight table of a `BrokerClient`: every request and utility call it has out, and what it knows
-of their engines, behind one lock (see the client's rules in `broker.client`).
+of their engines, behind one lock (see the client's rules in `broker.client.client`).
 
 State, all of it owned here (nothing else reads or writes it, except the fields of a `Mailbox` that its
 handle reads):
@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from broker.client.mailbox import Mailbox
+from broker.client.request_resume import continuation_adds
 from broker.messages import (
     AddRequest,
     EngineOutputs,
@@ -52,8 +54,6 @@ from broker.messages import (
     UtilityResult,
     make_error,
 )
-from broker.request_handle import Mailbox
-from broker.request_resume import continuation_adds
 
 logger = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ class InFlightTable:
 
     def move_to_continuations(self, mb: Mailbox, engine_id: str, incarnation: str | None) -> Continuation | None:
         """Resume `mb` on `engine_id`: end the sequences the caller stopped, build the ADDs that continue the
-        running ones (`broker.request_resume`) and route `mb` under their ids only, in one step (late outputs
+        running ones (`broker.client.request_resume`) and route `mb` under their ids only, in one step (late outputs
         for the old ids are dropped). None if `mb` ended (or had to fail: it cannot be continued)."""
         with self._lock:
             if mb.done:

@@ -3,7 +3,7 @@
 When the engine of a request that already produced tokens is declared gone, the client sends each
 sequence that is still running to a live engine as a new request whose prompt is the original prompt
 plus the tokens already delivered for that sequence. The new engine continues the sequence; the caller
-sees one stream (the in-flight table, `broker.in_flight`, routes the new outputs into the same mailbox).
+sees one stream (the in-flight table, `broker.client.in_flight`, routes the new outputs into the same mailbox).
 
 Rules:
 - One continuation per running sequence, always n=1: sequence i of an n > 1 request continues as its

@@ -1,4 +1,4 @@
-"""The output listener thread of a `BrokerClient` (see the rules in `broker.client`).
+"""The output listener thread of a `BrokerClient` (see the rules in `broker.client.client`).
 
 It subscribes once to `rs:out:{client_id}` and hands each `EngineOutputs` to the client's in-flight table
 (`InFlightTable.deliver`: duplicates dropped, a skipped seq fails that engine's requests with output_lost,
@@ -6,23 +6,21 @@ continuations renamed to their request, engine_failed outputs declare the engine
 subscription drops it tells the table (`lose_subscription`: started requests and every utility call fail
 with broker_disconnected, unstarted ones wait to be sent again) and resubscribes with backoff.
 
-`OutputListener` holds no state of its own besides the client; it does its Redis I/O outside the table's lock.
+`OutputListener` holds no state of its own: it is given the channel to read and the in-flight table to feed,
+and does its Redis I/O (on a connection of its own) outside the table's lock.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 import redis
 
+from broker.client.in_flight import InFlightTable
 from broker.connection import connect
 from broker.log_limits import warn_every
 from broker.messages import EngineOutputs, MessageError, decode
-
-if TYPE_CHECKING:
-    from broker.client import BrokerClient
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +30,21 @@ _OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError)
 class OutputListener:
     """The body of one client's listener thread; `run` returns once `stopping` is set."""
 
-    def __init__(self, client: BrokerClient) -> None:
-        self._client = client
+    def __init__(self, redis_url: str, channel: str, client_id: str, table: InFlightTable,
+                 resubmit_limit: int) -> None:
+        self._redis_url = redis_url
+        self._channel = channel
+        self._client_id = client_id
+        self._table = table
+        self._resubmit_limit = resubmit_limit
 
     def run(self, stopping: threading.Event) -> None:
-        c = self._client
         failures = 0
         while not stopping.is_set():
-            pubsub_client = connect(c.redis_url, retries=0, client_name=f"redserve-listener-{c.client_id}")
+            pubsub_client = connect(self._redis_url, retries=0, client_name=f"redserve-listener-{self._client_id}")
             pubsub = pubsub_client.pubsub()
             try:
-                pubsub.subscribe(c.keys.output_channel(c.client_id))
+                pubsub.subscribe(self._channel)
                 while not stopping.is_set():
                     msg = pubsub.get_message(timeout=0.2)
                     if msg is None:
@@ -51,28 +53,28 @@ class OutputListener:
                         self.dispatch(msg["data"])
                     elif msg["type"] == "subscribe":
                         failures = 0
-                        c.table.set_subscribed(True)
+                        self._table.set_subscribed(True)
             except Exception as e:  # noqa: BLE001 - the listener must outlive any error
                 self._on_subscription_lost(e, failures)
                 failures += 1
                 stopping.wait(min(2.0, 0.05 * 2**failures))
             finally:
-                c.table.set_subscribed(False)
+                self._table.set_subscribed(False)
                 pubsub.close()
                 pubsub_client.close()
 
     def _on_subscription_lost(self, error: Exception, failures: int) -> None:
-        c = self._client
+        client_id = self._client_id
         if not isinstance(error, _OUTAGE):
-            logger.exception("client %s: listener error; resubscribing", c.client_id, exc_info=error)
+            logger.exception("client %s: listener error; resubscribing", client_id, exc_info=error)
         elif failures == 0:
-            logger.warning("client %s: output subscription lost (%s); resubscribing", c.client_id, error)
-        failed, kept = c.table.lose_subscription(c.settings.resubmit_limit)
+            logger.warning("client %s: output subscription lost (%s); resubscribing", client_id, error)
+        failed, kept = self._table.lose_subscription(self._resubmit_limit)
         if failed:
-            logger.warning("client %s: failed %d request(s) in flight after losing Redis", c.client_id, failed)
+            logger.warning("client %s: failed %d request(s) in flight after losing Redis", client_id, failed)
         if kept:
             logger.warning("client %s: %d request(s) with no output yet will be sent again once Redis is back",
-                           c.client_id, kept)
+                           client_id, kept)
 
     def dispatch(self, data: bytes) -> None:
         """Deliver one message from the output channel."""
@@ -80,6 +82,6 @@ class OutputListener:
             outs = decode(data, expect=EngineOutputs)
         except MessageError as e:
             warn_every(logger, "bad-output-message", 10.0, "client %s: dropping bad message on its output channel: %s",
-                       self._client.client_id, e)
+                       self._client_id, e)
             return
-        self._client.table.deliver(outs)
+        self._table.deliver(outs)

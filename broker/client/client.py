@@ -4,14 +4,18 @@ Rules:
 - One `BrokerClient` per process, created (or at least started) after fork: gunicorn forks its
   workers, so build it lazily in the worker (`start()` is idempotent and `submit` calls it).
   Using a client started in another process raises RuntimeError. All methods are thread-safe.
-- `start()` runs two threads: a maintenance thread (`broker.client_liveness`) that refreshes a
+- `start()` runs two threads: a maintenance thread (`broker.client.liveness`) that refreshes a
   heartbeat key `rs:client:{id}:alive` (TTL `heartbeat_ttl`), and one listener thread
-  (`broker.client_listener`) subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into
+  (`broker.client.listener`) subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into
   per-request mailboxes. `submit` registers the mailbox BEFORE the XADD, and only while subscribed.
 - The state shared by the caller threads, the listener and the maintenance thread (mailboxes, calls,
   seq numbers, incarnations, engine verdicts, deferred aborts, the subscription flag) is owned by one
-  `broker.in_flight.InFlightTable` (`client.table`), behind its lock; its rules say how it changes. The
-  client and its threads do the Redis I/O, outside that lock, with what the table's methods return.
+  `broker.client.in_flight.InFlightTable` (`client.table`), behind its lock; its rules say how it changes.
+  The client and its threads do the Redis I/O, outside that lock, with what the table's methods return.
+- The client is assembled from parts that each take only what they use, never the client: the table, the
+  engine selector (`broker.load_balance`), the sender of ABORTs and unbounded ADDs (`broker.client.sender`),
+  the listener, the maintenance thread with its migrator (`broker.client.migration`), and one
+  `RequestHandle` per request (the table and the sender). Nothing in `broker/client/` imports this module.
 - Nothing hangs and nothing is silently lost; a request ends with an error output (finish_reason
   ERROR, an `ErrorCode` in `error_code`, the detail in `error_message`) when:
   * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
@@ -23,7 +27,7 @@ Rules:
   * `EngineOutputs.seq` from an engine skips a number -> output_lost, for that engine's requests;
   * its engine is declared gone -> the request is re-placed on another engine if it has produced no
     output yet (at most `resubmit_limit` times); if it has, its running sequences are resumed on
-    another engine from the tokens already delivered (`broker.client_migration`, at most
+    another engine from the tokens already delivered (`broker.client.migration`, at most
     `max_migrations` times; 0 turns it off), else it ends with engine_gone. With no engine READY
     (DP=1 and its engine restarting) such a request waits up to `replace_wait` seconds for one (the
     restarted engine counts), then ends with no_engine.
@@ -60,18 +64,20 @@ from typing import Any
 
 import redis
 
-from broker.client_listener import OutputListener
-from broker.client_liveness import Maintenance
+from broker.client.in_flight import InFlightTable
+from broker.client.listener import OutputListener
+from broker.client.liveness import Maintenance
+from broker.client.mailbox import Mailbox
+from broker.client.request_handle import RequestHandle
+from broker.client.sender import Sender
 from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
 from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable, UtilityError
-from broker.in_flight import InFlightTable
 from broker.keys import EngineState, RedisKeys, check_id
 from broker.load_balance import EngineSelector, read_lb_snapshot
-from broker.messages import AbortRequests, AddRequest, UtilityCall, UtilityResult, encode
+from broker.messages import AddRequest, UtilityCall, UtilityResult, encode
 from broker.prefix_index import PrefixIndexReader, RoutingCounter
 from broker.registry import EngineRegistry
-from broker.request_handle import Mailbox, RequestHandle
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +151,8 @@ class BrokerClient:
         self._redis: redis.Redis | None = None
         self._registry: EngineRegistry | None = None
         self.selector: EngineSelector | None = None
-        self._listener = OutputListener(self)
-        self._maintenance = Maintenance(self)
+        self.sender = Sender(self.client_id, self.keys, self.table, lambda: self._redis)
+        self._maintenance: Maintenance | None = None
 
     @property
     def redis(self) -> redis.Redis:
@@ -172,8 +178,12 @@ class BrokerClient:
                                            self.settings.snapshot_max_age,
                                            prefix_index=PrefixIndexReader(self._redis, self.keys),
                                            count_decision=RoutingCounter(self._redis, self.keys))
+            self._maintenance = Maintenance(self.table, self.selector, self.sender, lambda: self._redis,
+                                            self.settings, self.on_migration)
+            listener = OutputListener(self.redis_url, self.keys.output_channel(self.client_id), self.client_id,
+                                      self.table, self.settings.resubmit_limit)
             self._threads = [
-                threading.Thread(target=self._listener.run, args=(self._stopping,),
+                threading.Thread(target=listener.run, args=(self._stopping,),
                                  name=f"broker-listener-{self.client_id}", daemon=True),
                 threading.Thread(target=self._maintenance.run, args=(self._stopping,),
                                  name=f"broker-maintenance-{self.client_id}", daemon=True),
@@ -237,13 +247,13 @@ class BrokerClient:
             self.table.drop(mb)
             raise EngineOverloaded(f"engine {mb.engine_id} already holds {cap} requests unread or in flight; "
                                    "retry later")
-        return RequestHandle(self, mb)
+        return RequestHandle(self.table, self.sender, mb)
 
     def abort(self, request_ids: Iterable[str], engine_id: str) -> None:
         """ABORT `request_ids` on `engine_id`; this client's own handles end at once with "abort"."""
         ids = list(request_ids)
         self.table.abort_ids(ids)
-        self.send_aborts(engine_id, ids)
+        self.sender.send_aborts(engine_id, ids)
 
     def call_utility(self, engine_id: str, method: str, args: Iterable[Any] = (), timeout: float = 10.0) -> Any:
         """Run `method(*args)` on a live engine and return its result.
@@ -261,7 +271,7 @@ class BrokerClient:
         call = UtilityCall(uuid.uuid4().hex, self.client_id, method, list(args))
         answer = self.table.add_call(call.call_id, engine_id)
         try:
-            self.send_to_engine(engine_id, encode(call))
+            self.sender.send_to_engine(engine_id, encode(call))
             result: UtilityResult = answer.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"engine {engine_id} did not answer {method!r} within {timeout}s") from None
@@ -284,21 +294,6 @@ class BrokerClient:
 
     def in_flight(self) -> int:
         return self.table.in_flight()
-
-    # ----------------------------------------------------------------- sending (never under the table's lock)
-
-    def send_to_engine(self, engine_id: str, payload: bytes) -> None:
-        """XADD without a cap (ABORT, utility call, re-placed ADD): never trimmed, never refused.
-        Raises redis.RedisError."""
-        self._redis.xadd(self.keys.request_stream(engine_id), {STREAM_FIELD: payload})
-
-    def send_aborts(self, engine_id: str, request_ids: list[str]) -> None:
-        """ABORT these wire ids on `engine_id`, or defer them (the maintenance thread sends them later)."""
-        try:
-            self.send_to_engine(engine_id, encode(AbortRequests(request_ids, self.client_id)))
-        except redis.RedisError as e:
-            logger.info("client %s: ABORT to %s deferred (%s)", self.client_id, engine_id, e)
-            self.table.defer_aborts(engine_id, request_ids)
 
     # ----------------------------------------------------------------- submit helpers
 
