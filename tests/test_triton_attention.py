@@ -246,7 +246,8 @@ LONG = [(299, 1), (1000, 1), (40, 1), (500, 4), (7, 1)]
 @pytest.mark.parametrize("window", [None, 50])
 def test_split_kv_matches_the_single_pass(splits: int, window: int | None) -> None:
     step = Step(LONG, kv_heads=2, group=4)
-    single = step.attention(sliding_window=window)
+    step.attention(sliding_window=window)  # writes K/V
+    single = step.kernel(num_splits=1, window=window)
     split = step.kernel(num_splits=splits, window=window)
     torch.testing.assert_close(split, single, atol=2e-5, rtol=2e-5)
     assert_close(split, step.reference(window=window), torch.float32)
@@ -256,6 +257,14 @@ def test_split_kv_with_softcap_fp16_and_prefill_chunks() -> None:
     step = Step(MIXED, kv_heads=2, group=2, dtype=torch.float16)
     single = step.attention(softcap=5.0)
     assert_close(step.kernel(num_splits=4, softcap=5.0), single, torch.float16)
+
+
+def test_a_long_decode_batch_splits_by_itself() -> None:
+    step = Step([(1100, 1), (3, 1)], kv_heads=1, group=2)
+    out = step.attention()
+    # 2 programs, 264 wanted: min(132, 1101 // (32 * 4) = 8, 16) splits
+    assert step.meta.unified.split_buffers[1].shape[2] == 8
+    assert_close(out, step.reference(), torch.float32)
 
 
 def test_split_heuristic() -> None:

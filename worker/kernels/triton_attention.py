@@ -232,8 +232,9 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = num_heads // kv_heads
     block_q = query_tile(group, batch.max_query_len)
     tiles = num_tokens // block_q + batch.num_seqs
-    if num_splits is None:
-        num_splits = choose_num_splits(tiles * kv_heads, batch.max_seq_len, q.device, tile)
+    if num_splits is None:  # decode-only: one busy tile per sequence; else the grid bounds it
+        busy = batch.num_seqs if batch.max_query_len == 1 else tiles
+        num_splits = choose_num_splits(busy * kv_heads, batch.max_seq_len, q.device, tile)
     assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     if num_splits > 1:
         part_out, part_lse = batch.scratch(num_tokens, num_heads, num_splits, head_dim, q.device)
