@@ -3,8 +3,9 @@ attention launch per layer over the whole flattened batch (decodes and prefill c
 
 Imports triton at the top: load it through ``worker.layers.attention.triton_attention()``, which returns
 None where triton is missing, so the rest of the project imports without it. Under ``TRITON_INTERPRET=1``
-(set before this module is first imported: ``triton.jit`` reads it when the kernels are decorated) the
-kernels run on CPU tensors, which is how the tests check them without a GPU.
+(set before triton is first imported and while the kernels run: triton reads it when it decorates a
+kernel, its own library's included, and when it launches one) the kernels run on CPU tensors, which is
+how the tests check them without a GPU.
 
 Layout (as ``PagedAttention``): q [T, H, d] (rows of one sequence are consecutive), the cache per layer
 ``[2, num_slots, KVH, d]`` with slot = block * block_size + offset, and a ``UnifiedBatch``: sequence s
@@ -27,8 +28,8 @@ Rules:
   float32 (no TF32), so they agree with the torch path to float32 rounding.
 - Split-KV (flash decoding): with ``num_splits`` > 1 every program takes only its share of the key tiles
   and writes its partial output (normalised over its own keys) and their log-sum-exp; a second kernel
-  combines the splits per (token, head), weighting each by exp(lse - max lse). ``choose_num_splits`` turns it on only when the batch gives too few programs to
-  fill the GPU and the context is long.
+  combines the splits per (token, head), weighting each by exp(lse - max lse). ``choose_num_splits``
+  turns it on only when the batch gives too few programs to fill the GPU and the context is long.
 - Negative slots in the slot mapping are skipped by the K/V write (padding rows; the scheduler sends
   none today).
 """
