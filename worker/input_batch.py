@@ -14,6 +14,7 @@ import torch
 
 from broker.sampling_params import SamplingParams
 from engine.step_types import SchedulerOutput
+from worker.layers import attention
 from worker.layers.attention import AttentionMetadata, PagedBatch, PrefillChunk, paged_attention_kernel
 from worker.sampler import SamplingBatch
 
@@ -84,17 +85,19 @@ class StepBuffers:
 
 
 class InputBatch:
-    """Rules: on CPU, when the C++ paged-attention kernel is available (``use_kernel``), decodes (and
-    cached-prefix chunks of at most ``kernel_max_queries`` tokens) go to it as one ``PagedBatch``;
-    otherwise (CUDA, or no compiler) decodes get padded slot tables and masks for the torch path.
-    Longer chunks go to SDPA: its GEMM-based CPU kernel, gather included, beats the per-row kernel
+    """Rules: on CUDA with triton (``use_triton``; ``REDSERVE_TRITON_ATTENTION`` overrides), every request
+    of the step goes to the Triton kernels as one ``UnifiedBatch`` (decodes and prefill chunks alike) and
+    none of the torch path's slot tables and masks are built. On CPU, when the C++ paged-attention
+    kernel is available (``use_kernel``), decodes (and cached-prefix chunks of at most
+    ``kernel_max_queries`` tokens) go to it as one ``PagedBatch``; otherwise (CUDA without triton, or no
+    compiler) decodes get padded slot tables and masks for the torch path. Longer chunks go to SDPA: its GEMM-based CPU kernel, gather included, beats the per-row kernel
     from about 8 queries on (measured: 448 cached + 2/4/8/16 new tokens). Input tensors on CPU are views
     of ``StepBuffers`` and are valid until the next ``prepare``."""
 
     kernel_max_queries = 4
 
     def __init__(self, block_size: int, device: torch.device, num_heads_per_kv: int, eos_token_ids: list[int],
-                 use_kernel: bool | None = None):
+                 use_kernel: bool | None = None, use_triton: bool | None = None):
         self.block_size = block_size
         self.device = device
         self.group = num_heads_per_kv
@@ -102,9 +105,10 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self.buffers = StepBuffers()
         self._positions = np.arange(1024, dtype=np.int64)
+        self.use_triton = attention.use_triton(device) if use_triton is None else use_triton
         if use_kernel is None:
-            use_kernel = device.type == "cpu" and paged_attention_kernel() is not None
-        self.use_kernel = use_kernel
+            use_kernel = device.type == "cpu" and not self.use_triton and paged_attention_kernel() is not None
+        self.use_kernel = use_kernel and not self.use_triton
 
     def update(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -151,7 +155,7 @@ class InputBatch:
             else:
                 table = np.asarray(blocks, dtype=np.int64)
                 slots[start:end] = table[arange[c:c + n] // bs] * bs + arange[c:c + n] % bs
-            if self.use_kernel and (n == 1 or c) and n <= self.kernel_max_queries:
+            if self.use_triton or (self.use_kernel and (n == 1 or c) and n <= self.kernel_max_queries):
                 paged.append((start, n, c + n, blocks))
             elif n == 1:
                 decodes.append((blocks, c + 1))
@@ -166,7 +170,9 @@ class InputBatch:
                     prompt_rows.append(rows)
             start = end
         meta = AttentionMetadata(slot_mapping=self._device(slots))
-        if paged:
+        if paged and self.use_triton:
+            meta.unified = self._unified_batch(paged)
+        elif paged:
             meta.paged = self._paged_batch(paged)
         if decodes:
             self._add_decodes(meta, [t for t, _ in decodes], [length for _, length in decodes])
@@ -206,6 +212,18 @@ class InputBatch:
             query_start[i], query_lens[i], context_lens[i] = start, n, context
         return PagedBatch(self.block_size, *(torch.from_numpy(a) for a in (tables, query_start, query_lens,
                                                                            context_lens)))
+
+    def _unified_batch(self, specs: list[tuple[int, int, int, list[int]]]) -> attention.UnifiedBatch:
+        buf, count = self.buffers, len(specs)
+        tables = buf.block_tables.take(count, max(len(blocks) for *_, blocks in specs))
+        query_start, seq_lens = buf.query_start.take(count + 1), buf.context_lens.take(count)
+        for i, (start, _, context, blocks) in enumerate(specs):
+            tables[i, :len(blocks)] = blocks
+            query_start[i], seq_lens[i] = start, context
+        query_start[count] = specs[-1][0] + specs[-1][1]
+        return attention.UnifiedBatch(self.block_size, self._device(tables), self._device(query_start),
+                                      self._device(seq_lens), count, max(n for _, n, _, _ in specs),
+                                      int(seq_lens.max()))
 
     def _slot_table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)

@@ -19,6 +19,11 @@ the block tables (``PagedBatch``), GQA groups sharing each read. The kernel serv
 a cached prefix too, but SDPA's GEMMs win from about 8 queries on, so ``InputBatch`` (which decides the
 layout a step carries) sends it decodes and short cached-prefix chunks only.
 
+On CUDA, where triton imports (``use_triton``), the step carries a ``UnifiedBatch`` instead and nothing
+else: one Triton launch writes its K/V through the slot mapping and one launch per layer attends every
+query row, decodes and prefill chunks alike (``worker.kernels.triton_attention``), with no per-request
+loop, no gather and no multiply by other heads' zeros. The torch path above stays for CUDA without triton.
+
 Rules:
 - A layer with a ``sliding_window`` W lets the query at position q read only keys at k > q - W (the
   Hugging Face rule), in decode and in every prefill chunk. All blocks stay allocated: older tokens are
@@ -26,18 +31,30 @@ Rules:
 - ``softcap`` c (Gemma 2) maps scores s to c * tanh(s / c) before masking; prefill then computes the
   scores by hand since SDPA cannot cap them.
 - Window masks are built once per step and window size, and shared by every layer (cached on the
-  metadata), and so is the output buffer: nothing is allocated per layer that could live for the step.
-- The kernel and the torch path agree to float rounding (tests/test_paged_attention.py).
+  metadata), and so are the output buffer and the split-KV scratch: nothing is allocated per layer that
+  could live for the step.
+- The kernel and the torch path agree to float rounding (tests/test_paged_attention.py), and so do the
+  Triton kernels, interpreted on the CPU in float32 and float16, bfloat16 on CUDA only
+  (tests/test_triton_attention.py).
+- ``REDSERVE_TRITON_ATTENTION=0`` keeps CUDA on the torch path; ``=1`` puts any device on the Triton
+  path (a CPU only under ``TRITON_INTERPRET=1``: the tests run the whole model that way).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+import os
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from worker.kernels import load_extension
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,9 +90,56 @@ class PagedBatch:
     context_lens: torch.Tensor
 
 
+@dataclass
+class UnifiedBatch:
+    """Every sequence of a step, for the Triton kernel (``worker.kernels.triton_attention``), as int32
+    tensors on the device: sequence s owns query rows ``[query_start_loc[s], query_start_loc[s + 1])``
+    and ``seq_lens[s]`` keys (its new tokens included); ``block_tables[s]`` lists its blocks. The host
+    ints size the launch without reading the device."""
+
+    block_size: int
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_seqs: int
+    max_query_len: int
+    max_seq_len: int
+    split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def scratch(self, tokens: int, heads: int, splits: int, head_dim: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-KV partial outputs [T, H, splits, d] and log-sum-exps [T, H, splits] (float32), shared
+        by every layer of the step."""
+        shape = (tokens, heads, splits, head_dim)
+        if self.split_buffers is None or self.split_buffers[0].shape != shape:
+            self.split_buffers = (torch.empty(shape, dtype=torch.float32, device=device),
+                                  torch.empty(shape[:3], dtype=torch.float32, device=device))
+        return self.split_buffers
+
+
 def paged_attention_kernel():
     """The compiled CPU kernel module, or None (one warning line) where it cannot be built."""
     return load_extension("paged_attention")
+
+
+@functools.cache
+def triton_attention() -> ModuleType | None:
+    """``worker.kernels.triton_attention``, or None where triton is not installed."""
+    try:
+        return importlib.import_module("worker.kernels.triton_attention")
+    except ImportError as exc:
+        logger.info("triton attention unavailable (%s): the torch attention path serves", exc)
+        return None
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether a step on ``device`` runs the Triton kernels: on CUDA where triton imports, unless
+    ``REDSERVE_TRITON_ATTENTION=0``; ``=1`` forces them on any device (on CPU only under
+    ``TRITON_INTERPRET=1``, for tests)."""
+    wanted = os.environ.get("REDSERVE_TRITON_ATTENTION", "")
+    if wanted == "0" or (wanted != "1" and device.type != "cuda"):
+        return False
+    return triton_attention() is not None
 
 
 @dataclass
@@ -89,6 +153,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     paged: PagedBatch | None = None
+    unified: UnifiedBatch | None = None
     decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     out_buffer: torch.Tensor | None = None
 
@@ -145,8 +210,14 @@ class PagedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, KVH, d]; kv_cache: [2, num_slots, KVH, d]. Returns [T, H*d]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = meta.output_like(q)
+        if meta.unified is not None:  # the whole batch: one K/V write and one attention launch
+            kernels = triton_attention()
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            kernels.unified_attention(q, k_cache, v_cache, out, meta.unified, scale=self.scale,
+                                      sliding_window=self.sliding_window, softcap=self.softcap)
+            return out.view(q.shape[0], -1)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.paged is not None:
             self._paged(q, k_cache, v_cache, meta.paged, out)
         if meta.num_decodes:
