@@ -167,9 +167,33 @@ def test_the_switch(monkeypatch) -> None:
     assert InputBatch(16, torch.device("cpu"), 1, [1], use_kernel=False).use_triton
     monkeypatch.delenv("REDSERVE_TRITON_ATTENTION")
     assert not attention.use_triton(torch.device("cpu"))
-    assert attention.use_triton(torch.device("cuda"))  # where triton imports, CUDA takes it by default
+    attention.triton_smoke_test.cache_clear()
+    if DEVICE.type == "cuda":
+        assert attention.use_triton(torch.device("cuda"))  # where the kernels build, CUDA takes them by default
+    else:  # here no CUDA device can run them: the smoke test fails and leaves CUDA on the torch path
+        assert not attention.use_triton(torch.device("cuda"))
+    attention.triton_smoke_test.cache_clear()
     batch = InputBatch(16, torch.device("cpu"), 1, [1], use_kernel=False)
     assert not batch.use_triton
+
+
+def test_the_smoke_test_runs_both_kernels_here() -> None:
+    kernels.smoke_test(DEVICE)
+
+
+def test_kernels_that_fail_their_smoke_test_leave_the_torch_path_serving(monkeypatch, caplog) -> None:
+    def broken(device):
+        raise RuntimeError("ptxas fatal: unsupported GPU architecture\nmore lines")
+
+    monkeypatch.setattr(kernels, "smoke_test", broken)
+    monkeypatch.delenv("REDSERVE_TRITON_ATTENTION", raising=False)
+    attention.triton_smoke_test.cache_clear()
+    try:
+        assert not attention.use_triton(torch.device("cuda", 0))
+        assert attention.triton_smoke_test("cuda:0") == "RuntimeError: ptxas fatal: unsupported GPU architecture"
+    finally:
+        attention.triton_smoke_test.cache_clear()
+    assert [r.levelname for r in caplog.records if "smoke test" in r.message] == ["WARNING"]
 
 
 # --- the K/V write ---------------------------------------------------------------------------------------

@@ -256,3 +256,27 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             part_out, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
             HEAD_DIM=head_dim, DIM_PAD=dim_pad)
     return out
+
+
+def smoke_test(device: torch.device, dtype: torch.dtype = torch.float16) -> None:
+    """Compile and run both kernels once on ``device`` (a decode and a chunk over a cached prefix); raises if
+    either fails to compile or gives a non-finite value. `worker.layers.attention.use_triton` calls it once
+    per device, so a toolchain that cannot build them leaves serving on the torch path, not broken."""
+    from types import SimpleNamespace
+
+    kv_heads, group, dim, block_size = 2, 2, 64, 16
+    cache = torch.zeros(2, 4 * block_size, kv_heads, dim, dtype=dtype, device=device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    k, v = (torch.randn(24, kv_heads, dim, generator=generator).to(device, dtype) for _ in range(2))
+    write_kv(k, v, cache[0], cache[1], torch.arange(24, device=device))
+    batch = SimpleNamespace(  # sequence 0: 1 query over 9 keys; sequence 1: 8 queries over 24 keys (blocks 2, 3)
+        block_size=block_size, num_seqs=2, max_query_len=8, max_seq_len=24,
+        block_tables=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 1, 9], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([9, 24], dtype=torch.int32, device=device))
+    q = torch.randn(9, kv_heads * group, dim, generator=generator).to(device, dtype)
+    out = torch.empty_like(q)
+    unified_attention(q, cache[0], cache[1], out, batch, scale=dim ** -0.5, num_splits=1)
+    if not torch.isfinite(out).all():
+        raise RuntimeError("the Triton attention kernel gave non-finite values on its smoke test")
+

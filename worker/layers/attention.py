@@ -133,13 +133,29 @@ def triton_attention() -> ModuleType | None:
 
 
 def use_triton(device: torch.device) -> bool:
-    """Whether a step on ``device`` runs the Triton kernels: on CUDA where triton imports, unless
-    ``REDSERVE_TRITON_ATTENTION=0``; ``=1`` forces them on any device (on CPU only under
-    ``TRITON_INTERPRET=1``, for tests)."""
+    """Whether a step on ``device`` runs the Triton kernels: on CUDA where triton imports and the kernels
+    compile and run (`triton_smoke_test`, once per device), unless ``REDSERVE_TRITON_ATTENTION=0``; ``=1``
+    forces them on any device (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
     wanted = os.environ.get("REDSERVE_TRITON_ATTENTION", "")
     if wanted == "0" or (wanted != "1" and device.type != "cuda"):
         return False
-    return triton_attention() is not None
+    if triton_attention() is None:
+        return False
+    return wanted == "1" or triton_smoke_test(str(device)) is None
+
+
+@functools.cache
+def triton_smoke_test(device: str) -> str | None:
+    """Why the Triton kernels cannot serve on ``device`` (they failed to compile or to run), or None;
+    the first failure logs one warning and the torch attention path serves."""
+    try:
+        triton_attention().smoke_test(torch.device(device))
+    except Exception as exc:  # noqa: BLE001 - a toolchain problem must leave serving on the torch path
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        logger.warning("Triton attention failed its smoke test on %s (%s); using the torch attention path",
+                       device, reason[:300])
+        return reason
+    return None
 
 
 @dataclass
