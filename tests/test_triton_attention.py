@@ -1,52 +1,27 @@
 """The Triton attention kernels (worker/kernels/triton_attention.py) against float64 attention by hand.
 
-On a machine without a GPU they run under the Triton interpreter, on CPU tensors: ``triton.jit`` reads
-``TRITON_INTERPRET`` when it decorates a kernel and when it runs one, so this module sets it before
-triton's first import (nothing imports triton on a CPU run unless asked) and around each test; bfloat16, which the interpreter cannot
-multiply, is checked only on CUDA. Each case builds a real step with ``InputBatch.prepare`` (decodes first, then
+On a machine without a GPU they run under the Triton interpreter, on CPU tensors (tests/triton_interpret.py
+sets it up before triton's first import; the ``interpret`` fixture around each test); bfloat16, which the
+interpreter cannot multiply, is checked only on CUDA. Each case builds a real step with ``InputBatch.prepare`` (decodes first, then
 prefill chunks) over shuffled, non-contiguous blocks, as tests/test_paged_attention.py does. Shapes stay
 small: the interpreter runs every program in numpy.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
+from triton_interpret import load
 
-# Without a GPU the kernels run under the interpreter. Triton reads the variable when it decorates a kernel
-# (its own library's included, at ``import triton``) and again when one runs: it is set from before
-# triton's first import until the kernels module is imported, and around each test here (``interpret``),
-# never for the rest of the run.
-_set_here = (not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-             and "triton" not in sys.modules)
-if _set_here:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton")
-    from worker.layers import attention
-
-    kernels = attention.triton_attention()
-finally:
-    if _set_here:
-        del os.environ["TRITON_INTERPRET"]
+kernels, DEVICE, INTERPRETED = load("triton_attention")
 
 from engine.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker.input_batch import InputBatch  # noqa: E402
+from worker.layers import attention  # noqa: E402
 from worker.layers.attention import PagedAttention  # noqa: E402
 
-if kernels is None:
-    pytest.skip("worker.kernels.triton_attention does not import", allow_module_level=True)
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-INTERPRETED = isinstance(kernels._attention_kernel, InterpretedFunction)
-if not (INTERPRETED or torch.cuda.is_available()):
-    pytest.skip("no GPU, and triton was imported before this module could set TRITON_INTERPRET=1 "
-                "(run it with TRITON_INTERPRET=1)", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 requires_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="bfloat16 needs a CUDA device")
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="the CPU model run needs the interpreter "
                                       "(tests/test_cuda_path.py runs the model on CUDA)")

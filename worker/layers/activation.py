@@ -3,6 +3,7 @@
 Rules:
 - The product is written into the activation's own output (no third [T, I] tensor), and the activation
   is rounded to the dtype before the multiply, as Hugging Face computes ``act_fn(gate) * up``.
+- SiLU-and-mul on CUDA is one Triton pass (``worker.kernels.triton_ops``) where the Triton path serves.
 - float32 SiLU-and-mul on the CPU is one C++ pass (``fused_ops.silu_and_mul``: exp eight lanes at a time
   on AVX2) when the kernels build, else torch's two ops; GeLU-and-mul and other dtypes stay on torch.
   Measured on the tiny model's MLP ([T, 2816] in), 2-core AVX2 EPYC: torch's silu + mul_ 90 us at T=64 and
@@ -14,14 +15,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.layers.fused_ops import fused_ops_for
+from worker.layers.fused_ops import fused_ops_for, triton_ops_for
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and (ops := fused_ops_for(x)) is not None:
-        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
-        ops.silu_and_mul(out, x)
-        return out
+    if x.dim() == 2 and x.stride(-1) == 1:
+        ops = (fused_ops_for(x) if x.dtype == torch.float32 else None) or triton_ops_for(x)
+        if ops is not None:
+            out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+            ops.silu_and_mul(out, x)
+            return out
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 

@@ -36,16 +36,11 @@ Rules:
 - The kernel and the torch path agree to float rounding (tests/test_paged_attention.py), and so do the
   Triton kernels, interpreted on the CPU in float32 and float16, bfloat16 on CUDA only
   (tests/test_triton_attention.py).
-- ``REDSERVE_TRITON_ATTENTION=0`` keeps CUDA on the torch path; ``=1`` puts any device on the Triton
-  path (a CPU only under ``TRITON_INTERPRET=1``: the tests run the whole model that way).
+- Which device takes the Triton path, and how ``REDSERVE_TRITON_ATTENTION`` overrides it: ``worker.layers.triton_path``.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -53,8 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.kernels import load_extension
-
-logger = logging.getLogger(__name__)
+from worker.layers.triton_path import triton_module, triton_smoke_test, use_triton  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -122,40 +116,9 @@ def paged_attention_kernel():
     return load_extension("paged_attention")
 
 
-@functools.cache
 def triton_attention() -> ModuleType | None:
     """``worker.kernels.triton_attention``, or None where triton is not installed."""
-    try:
-        return importlib.import_module("worker.kernels.triton_attention")
-    except ImportError as exc:
-        logger.info("triton attention unavailable (%s): the torch attention path serves", exc)
-        return None
-
-
-def use_triton(device: torch.device) -> bool:
-    """Whether a step on ``device`` runs the Triton kernels: on CUDA where triton imports and the kernels
-    compile and run (`triton_smoke_test`, once per device), unless ``REDSERVE_TRITON_ATTENTION=0``; ``=1``
-    forces them on any device (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
-    wanted = os.environ.get("REDSERVE_TRITON_ATTENTION", "")
-    if wanted == "0" or (wanted != "1" and device.type != "cuda"):
-        return False
-    if triton_attention() is None:
-        return False
-    return wanted == "1" or triton_smoke_test(str(device)) is None
-
-
-@functools.cache
-def triton_smoke_test(device: str) -> str | None:
-    """Why the Triton kernels cannot serve on ``device`` (they failed to compile or to run), or None;
-    the first failure logs one warning and the torch attention path serves."""
-    try:
-        triton_attention().smoke_test(torch.device(device))
-    except Exception as exc:  # noqa: BLE001 - a toolchain problem must leave serving on the torch path
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        logger.warning("Triton attention failed its smoke test on %s (%s); using the torch attention path",
-                       device, reason[:300])
-        return reason
-    return None
+    return triton_module("triton_attention")
 
 
 @dataclass

@@ -3,7 +3,9 @@ residual add optionally folded in.
 
 Rules:
 - ``norm(x)`` returns a new tensor. ``norm(x, residual)`` returns ``(norm(x + residual), x + residual)``
-  and may overwrite both arguments (the CPU kernel works in place): callers keep only what it returns.
+  and may overwrite both arguments (the CPU and Triton kernels work in place): callers keep only what it
+  returns. The C++ kernel serves on the CPU, its Triton twin on CUDA (``worker.layers.fused_ops``), with
+  the same calls.
 - Rounding is Hugging Face's: Llama normalises in float32, rounds to the dtype, then multiplies by w;
   Gemma multiplies by (1 + w) in float32 and rounds once. The kernel and ``reference`` agree exactly in
   bfloat16 and to summation order in float32.
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.fused_ops import fused_ops_for
+from worker.layers.fused_ops import fused_ops_for, triton_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        ops = fused_ops_for(x, self.weight)
+        ops = fused_ops_for(x, self.weight) or triton_ops_for(x, self.weight)
         if residual is None:
             if ops is None or x.dim() not in (2, 3) or x.stride(-1) != 1:
                 return self.reference(x)

@@ -4,8 +4,9 @@ Scaled variants (linear, llama3, yarn, longrope) take their frequencies from tra
 ``ROPE_INIT_FUNCTIONS`` so they match the reference implementation exactly.
 
 Rules:
-- ``rotary(positions, q, k)`` returns the rotated q and k; on the CPU kernel path they are q and k
-  themselves, rotated in place (no cos/sin gather, no temporaries), so callers keep only what it returns.
+- ``rotary(positions, q, k)`` returns the rotated q and k; on the kernel paths (C++ on the CPU, Triton on
+  CUDA) they are q and k themselves, rotated in place (no cos/sin gather, no temporaries), so callers keep
+  only what it returns.
 - Computed in the model dtype with cos/sin rounded to it, each product and sum rounded, as the Hugging
   Face implementation does; the kernel and ``reference`` agree exactly.
 """
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from worker.layers.fused_ops import fused_ops_for
+from worker.layers.fused_ops import fused_ops_for, triton_ops_for
 
 _SUPPORTED = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -48,7 +49,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, d], k: [T, kv_heads, d] (views with a contiguous last dim are fine)."""
-        ops = fused_ops_for(q, k, self.cos)
+        ops = fused_ops_for(q, k, self.cos) or triton_ops_for(q, k, self.cos)
         if ops is None or q.dim() != 3 or k.dim() != 3 or q.stride(-1) != 1 or k.stride(-1) != 1:
             return self.reference(positions, q, k)
         ops.rotary_embedding(positions.long().contiguous(), q, k, self.cos, self.sin)
