@@ -207,7 +207,8 @@ def _version() -> str:
 def _respond(answer: Answer) -> Response:
     """The HTTP response for a handler's `Answer`: its body as JSON, or its chunks as server-sent events."""
     if answer.chunks is not None:
-        response = Response(sse_body(answer.chunks), mimetype="text/event-stream", headers=SSE_HEADERS)
+        response = Response(sse_body(answer.chunks, answer.named_events), mimetype="text/event-stream",
+                            headers=SSE_HEADERS)
     else:
         response = jsonify(answer.body)
     response.status_code = answer.status
@@ -216,16 +217,21 @@ def _respond(answer: Answer) -> Response:
     return response
 
 
-def sse_body(chunks: Generator[Chunk | ApiError, None, None]) -> Iterator[str]:
+def sse_body(chunks: Generator[Chunk | ApiError, None, None], named_events: bool = False) -> Iterator[str]:
     """One ``data:`` event per chunk (an ApiError as OpenAI's error event), then ``data: [DONE]``; nothing
-    more once the client has gone. Closing this closes the chunks (which aborts the request)."""
+    more once the client has gone. Closing this closes the chunks (which aborts the request).
+
+    With `named_events` (/v1/responses) each chunk's event is named by its ``type`` and there is no
+    ``[DONE]``."""
     try:
         for chunk in chunks:
             if isinstance(chunk, ApiError):
-                yield sse_error(chunk)
+                yield sse_error(chunk, named_events)
             else:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        yield DONE
+                name = f"event: {chunk['type']}\n" if named_events else ""
+                yield f"{name}data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        if not named_events:
+            yield DONE
     except ClientDisconnected as e:
         logger.info("request %s: client disconnected; aborted", e)
     finally:
