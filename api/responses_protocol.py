@@ -77,16 +77,17 @@ def parse_responses_request(data: Any) -> ResponsesRequest:
     text_format = _text_format(body)
     tools = _function_tools(body)
     tool_choice = body.data.get("tool_choice")
+    max_output_tokens = body.get("max_output_tokens", "int")
+    metadata = _metadata(body)
     chat_body: dict[str, Any] = {name: body.data[name] for name in _PASSED_FIELDS if name in body.data}
-    chat_body.update(messages=messages, max_completion_tokens=body.get("max_output_tokens", "int"),
+    chat_body.update(messages=messages, max_completion_tokens=max_output_tokens,
                      response_format=_chat_response_format(text_format),
                      tools=[_chat_tool(t) for t in tools] or None, tool_choice=_chat_tool_choice(tool_choice))
     with responses_field_names():
         chat = parse_chat_request(chat_body)
-    return ResponsesRequest(chat=chat, instructions=instructions, max_output_tokens=chat_body["max_completion_tokens"],
+    return ResponsesRequest(chat=chat, instructions=instructions, max_output_tokens=max_output_tokens,
                             text={"format": text_format}, tools=tools,
-                            tool_choice=tool_choice if tool_choice is not None else "auto",
-                            metadata=_metadata(body))
+                            tool_choice=tool_choice if tool_choice is not None else "auto", metadata=metadata)
 
 
 @contextmanager
@@ -111,7 +112,7 @@ def _refuse_stateful(body: Body) -> None:
     for name in ("previous_response_id", "conversation"):
         if body.has(name):
             raise bad_request(f"'{name}' is not supported: {_STATELESS}", param=name)
-    body.get("store", "bool")
+    body.get("store", "bool")  # true or false: nothing is stored either way, and the answer says false
     if body.get("background", "bool", False):
         raise bad_request(f"'background' responses are not supported: {_STATELESS}", param="background")
 
