@@ -16,9 +16,12 @@ import openai
 import pytest
 import requests
 from fake_broker import FakeClient, make_app, token_script
+from hypothesis import event, given
+from hypothesis import strategies as st
 from openai import OpenAI
 from openai.types import responses as types
 from pydantic import TypeAdapter
+from test_api_fuzz import FUZZ, INTS, JSON_VALUES, SAMPLING, TEXTS, bodies, echo_script
 from test_tool_calls import check_call, hermes_model_dir  # noqa: F401 - fixture
 
 from api.errors import ApiError
@@ -221,6 +224,58 @@ def test_engine_failure_mid_stream_is_an_error_event(tiny_llama_dir, tokenizer) 
     assert events[-1]["sequence_number"] == len(events) - 1 and events[-1]["code"] == ErrorCode.ENGINE_FAILED.value
 
 
+# Valid JSON never gets a 500 (as tests/test_api_fuzz.py for the other endpoints): fuzzed bodies of mostly
+# what a client would send, some edge values and any JSON; every answer is an error body or validates as the
+# SDK's Response / stream events, and a stream ends in response.completed or response.incomplete.
+FUNCTION_CALLS = st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.text(max_size=4),
+                                        "name": st.sampled_from(["get_time", ""]),
+                                        "arguments": st.sampled_from(['{"zone": "utc"}', "{"])})
+CALL_OUTPUTS = st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.text(max_size=4),
+                                      "output": TEXTS | JSON_VALUES})
+PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                                        "text": TEXTS}), max_size=2)
+MESSAGES = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+                                  "content": TEXTS | PARTS})
+ITEMS = st.lists(MESSAGES | FUNCTION_CALLS | CALL_OUTPUTS | JSON_VALUES, min_size=1, max_size=4)
+FORMATS = st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "name": "p", "schema": PERSON},
+                           {"type": "json_schema", "name": "p", "schema": {"type": "nonsense"}}, {"type": "xml"}])
+RESPONSES_FIELDS = {
+    **{name: SAMPLING[name] for name in ("temperature", "top_p", "top_k", "seed", "stop", "stream", "user", "model")},
+    "input": (TEXTS.filter(bool) | ITEMS, JSON_VALUES), "instructions": (TEXTS, JSON_VALUES),
+    "max_output_tokens": (st.integers(1, 100), INTS),
+    "text": (st.just({"format": {"type": "text"}}), st.fixed_dictionaries({"format": FORMATS}) | JSON_VALUES),
+    "tools": (st.just(TOOLS), st.lists(JSON_VALUES, max_size=1) | st.just([{"type": "web_search"}])),
+    "tool_choice": (st.sampled_from(["none", "auto", "required", {"type": "function", "name": "get_time"}]),
+                    JSON_VALUES),
+    "parallel_tool_calls": (st.booleans(), JSON_VALUES), "metadata": (st.just({"k": "v"}), JSON_VALUES),
+    "store": (st.booleans(), JSON_VALUES), "previous_response_id": (st.none(), st.text(max_size=5)),
+    "background": (st.just(False), JSON_VALUES), "include": (st.just([]), JSON_VALUES),
+    "reasoning": (st.none(), JSON_VALUES), "truncation": (st.just("disabled"), JSON_VALUES),
+}
+
+
+@pytest.fixture(scope="module")
+def fuzz_app(tiny_llama_dir, tokenizer):
+    return make_app(tiny_llama_dir, tokenizer, FakeClient(echo_script, max_model_len=64), tool_call_parser="hermes",
+                    enable_auto_tool_choice=True)
+
+
+@FUZZ
+@given(body=bodies(RESPONSES_FIELDS, ("input",)) | JSON_VALUES)
+def test_fuzz_responses(fuzz_app, body) -> None:
+    response = fuzz_app.post("/v1/responses", data=json.dumps(body), content_type="application/json")
+    status = response.status_code
+    assert status != 500 and status < 600, f"{status} for {body!r}: {response.get_data(as_text=True)[:500]}"
+    if status >= 400:
+        error = response.get_json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    elif response.mimetype == "text/event-stream":
+        assert events_of(response)[-1]["type"] in ("response.completed", "response.incomplete"), body
+    else:
+        answer_of(response)
+    event(f"status {status}")
+
+
 # ------------------------------------------------------------------------------------------ end to end
 
 @pytest.fixture(scope="module")
@@ -300,8 +355,8 @@ EVENT_CLASSES = {"response.created": types.ResponseCreatedEvent, "response.in_pr
 
 def check_typed(events: list) -> None:
     """Every event parsed into its own SDK class, numbered from 0 in order, one response id throughout."""
-    for event in events:
-        assert isinstance(event, EVENT_CLASSES[event.type]), (event.type, type(event))
+    for sent in events:
+        assert isinstance(sent, EVENT_CLASSES[sent.type]), (sent.type, type(sent))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
 
