@@ -303,7 +303,15 @@ def prompt_tokens(base_url: str, messages: list[dict]) -> int:
     return answer.json()["count"]
 
 
+def generated_tokens(base_url: str) -> float:
+    """redserve:generation_tokens_total on /metrics (the API's request metrics, summed over workers)."""
+    text = requests.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("redserve:generation_tokens_total{", "redserve:generation_tokens_total ")))
+
+
 def test_text_input_with_instructions_cut_by_max_output_tokens(client, model, base_url) -> None:
+    generated_before = generated_tokens(base_url)
     reply = client.responses.create(model=model, input="Tell me a story.", instructions="Be brief.",
                                     max_output_tokens=5, temperature=1.0, metadata={"run": "1"}, user="u1")
     assert reply.id.startswith("resp_") and reply.object == "response" and reply.model == model
@@ -322,6 +330,7 @@ def test_text_input_with_instructions_cut_by_max_output_tokens(client, model, ba
     assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
     assert usage.input_tokens == prompt_tokens(base_url, [{"role": "system", "content": "Be brief."},
                                                           {"role": "user", "content": "Tell me a story."}])
+    assert generated_tokens(base_url) - generated_before == 5  # counted in /metrics as the other endpoints
 
 
 CONVERSATION = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
