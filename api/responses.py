@@ -102,7 +102,8 @@ class _ResponseView:
 
     # ------------------------------------------------------------------ the response object
 
-    def _response(self, status: str, output: list[dict[str, Any]], usage_: dict[str, Any] | None) -> dict[str, Any]:
+    def _response(self, status: str, output: list[dict[str, Any]],
+                  token_usage: dict[str, Any] | None) -> dict[str, Any]:
         request, params = self.request, self.request.chat.params
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "background": False, "error": None,
@@ -112,7 +113,7 @@ class _ResponseView:
                 "parallel_tool_calls": request.chat.tools.parallel, "previous_response_id": None, "reasoning": None,
                 "store": False, "temperature": params.temperature, "text": request.text,
                 "tool_choice": request.tool_choice, "tools": request.tools, "top_p": params.top_p,
-                "truncation": "disabled", "usage": usage_, "user": request.chat.user, "metadata": request.metadata}
+                "truncation": "disabled", "usage": token_usage, "user": request.chat.user, "metadata": request.metadata}
 
     def _usage(self) -> dict[str, Any]:
         counts = usage(self.run)
@@ -122,8 +123,7 @@ class _ResponseView:
                 "total_tokens": counts["total_tokens"]}
 
     def _found(self, text: str) -> ExtractedToolCalls:
-        if self.request.chat.tools.choice == "none":
-            return ExtractedToolCalls(text)
+        """The calls and the text of an output (all text with tool_choice "none")."""
         return self.request.chat.tools.extract(text, self._parser)
 
     def response(self, result: ChoiceOutput) -> dict[str, Any]:
