@@ -6,6 +6,8 @@ Rules:
   raises `ApiError` for an error it finds before answering (`Answer.error` is that error as data).
 - Stream chunks are the JSON objects of the events, in order; an error after the stream has begun is
   yielded as an `ApiError` and ends the stream. The ``[DONE]`` marker is framing, not a chunk.
+- `named_events` (/v1/responses): each chunk is an event named by its ``type`` (sent with an
+  ``event:`` line), and the stream ends without ``[DONE]``, as OpenAI's Responses streams.
 - `api.app` is the only place that turns an Answer into an HTTP response (JSON or SSE); the batch
   worker (`api.batch.runner`) calls the same handlers and keeps the status and body as they are.
 """
@@ -23,12 +25,14 @@ Chunk = dict[str, Any]
 
 @dataclass(frozen=True)
 class Answer:
-    """An endpoint's answer: `status` and `headers` with either a JSON `body` or stream `chunks`."""
+    """An endpoint's answer: `status` and `headers` with either a JSON `body` or stream `chunks` (events
+    named by their type when `named_events`)."""
 
     status: int = 200
     body: dict[str, Any] | None = None
     chunks: Generator[Chunk | ApiError, None, None] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    named_events: bool = False
 
     @classmethod
     def error(cls, error: ApiError) -> Answer:

@@ -1,12 +1,13 @@
 """The Flask app: routes, API-key check, body parsing and error mapping.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /version,
-POST /tokenize, POST /detokenize, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /health,
+GET /version, POST /tokenize, POST /detokenize, GET /metrics.
 
 Rules:
-- The generation handlers (`api.completions`, `api.chat`) return an `api.answer.Answer`; this module alone
-  turns it into HTTP (`_respond`): its body as JSON, or its chunks as server-sent events (`sse_body`:
-  one compact ``data:`` line per chunk, a mid-stream error as OpenAI's error event, then ``data: [DONE]``).
+- The generation handlers (`api.completions`, `api.chat`, `api.responses`) return an `api.answer.Answer`;
+  this module alone turns it into HTTP (`_respond`): its body as JSON, or its chunks as server-sent events
+  (`sse_body`: one compact ``data:`` line per chunk, a mid-stream error as OpenAI's error event, then
+  ``data: [DONE]``; for /v1/responses each event named by an ``event:`` line and no ``[DONE]``).
 - Every error is OpenAI's error JSON (`api.errors`), including unknown routes (404), wrong methods
   (405), oversized bodies (413) and anything unexpected (500, logged); no input takes a process down.
 - With an API key configured, every route needs ``Authorization: Bearer <key>`` (401 otherwise, unknown
@@ -41,6 +42,7 @@ from api.generation_defaults import apply_generation_defaults
 from api.log_safety import printable
 from api.metrics import EngineStatsCollector, render_metrics, start_at_zero
 from api.protocol import Body, parse_messages
+from api.responses import create_response
 from api.serving import check_model, check_prompt_chars, prompt_token_ids
 from api.state import ApiState, disconnect_probe
 from broker.errors import BrokerError
@@ -86,6 +88,11 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
     def chat_completions() -> Response:
         body = apply_generation_defaults(_json_body(), state.generation_defaults)
         return _respond(create_chat_completion(state, body, _probe()))
+
+    @app.post("/v1/responses")
+    def responses() -> Response:
+        body = apply_generation_defaults(_json_body(), state.generation_defaults)
+        return _respond(create_response(state, body, _probe()))
 
     @app.get("/v1/models")
     def models() -> Response:
@@ -208,7 +215,8 @@ def _version() -> str:
 def _respond(answer: Answer) -> Response:
     """The HTTP response for a handler's `Answer`: its body as JSON, or its chunks as server-sent events."""
     if answer.chunks is not None:
-        response = Response(sse_body(answer.chunks), mimetype="text/event-stream", headers=SSE_HEADERS)
+        response = Response(sse_body(answer.chunks, answer.named_events), mimetype="text/event-stream",
+                            headers=SSE_HEADERS)
     else:
         response = jsonify(answer.body)
     response.status_code = answer.status
@@ -217,16 +225,21 @@ def _respond(answer: Answer) -> Response:
     return response
 
 
-def sse_body(chunks: Generator[Chunk | ApiError, None, None]) -> Iterator[str]:
+def sse_body(chunks: Generator[Chunk | ApiError, None, None], named_events: bool = False) -> Iterator[str]:
     """One ``data:`` event per chunk (an ApiError as OpenAI's error event), then ``data: [DONE]``; nothing
-    more once the client has gone. Closing this closes the chunks (which aborts the request)."""
+    more once the client has gone. Closing this closes the chunks (which aborts the request).
+
+    With `named_events` (/v1/responses) each chunk's event is named by its ``type`` and there is no
+    ``[DONE]``."""
     try:
         for chunk in chunks:
             if isinstance(chunk, ApiError):
-                yield sse_error(chunk)
+                yield sse_error(chunk, named_events)
             else:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
-        yield DONE
+                name = f"event: {chunk['type']}\n" if named_events else ""
+                yield f"{name}data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        if not named_events:
+            yield DONE
     except ClientDisconnected as e:
         logger.info("request %s: client disconnected; aborted", e)
     finally:

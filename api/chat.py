@@ -61,18 +61,26 @@ def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable
     """The answer to one /v1/chat/completions body: a JSON body or stream chunks (ApiError for bad input; see
     the module rules)."""
     request = parse_chat_request(data)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    run, prompt = start_chat_run(state, request, request_id, is_disconnected)
+    view = _ChatView(state, request, run, request_id, prompt)
+    if request.stream:
+        return Answer(chunks=chunk_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
+    return Answer(body=view.response(collect(run)))
+
+
+def start_chat_run(state: ApiState, request: ChatRequest, request_id: str,
+                   is_disconnected: Callable[[], bool]) -> tuple[Run, list[int]]:
+    """Check the model and the tool choice, take the slots, render the prompt and submit it: the run and
+    its prompt token ids (ApiError for what is refused; /v1/responses starts its runs here too)."""
     check_model(state, request.model)
     check_auto_allowed(request.tools, state.config.tool_call_parser, state.config.enable_auto_tool_choice)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     with admit(state, 1, request.params.n) as slots:
         max_model_len = context_length(state)
         prompt = render_prompt(state, request, max_model_len)
         params = fit_params(state, [prompt], request.params, max_model_len)
         run = start_run(state, [prompt], params, request_id, is_disconnected, slots)
-    view = _ChatView(state, request, run, request_id, prompt)
-    if request.stream:
-        return Answer(chunks=chunk_stream(run, view.role_chunks(), prefetched(run), view.chunk, view.usage_chunks))
-    return Answer(body=view.response(collect(run)))
+    return run, prompt
 
 
 def render_prompt(state: ApiState, request: ChatRequest, max_model_len: int | None = None) -> list[int]:

@@ -3,7 +3,8 @@
 Rules:
 - Handlers raise `ApiError`; the app turns it into that JSON with `status` (and `headers`, e.g.
   Retry-After). Before a stream has started this is the whole response; after, it is one SSE event
-  (`sse_error`) followed by ``data: [DONE]``.
+  (`sse_error`) followed by ``data: [DONE]``; in a Responses stream (/v1/responses) it is an ``error``
+  event (`error_event`, numbered by the stream) and nothing follows.
 - `type` follows the status unless given: 400/404/405/413 invalid_request_error, 401
   authentication_error, 429 rate_limit_error, 503 service_unavailable_error, 504 timeout_error,
   else server_error. `code` is a short machine-readable string (or None).
@@ -59,6 +60,15 @@ def engine_error(code: ErrorCode, message: str) -> ApiError:
     return ApiError(status, message, code=code.value, headers=headers)
 
 
-def sse_error(error: ApiError) -> str:
-    """The SSE event carrying `error` after a stream has started."""
+def sse_error(error: ApiError, named: bool = False) -> str:
+    """The SSE event carrying `error` after a stream has started (`named`: an ``error`` event of a
+    Responses stream; its handler sends its own, numbered, so this is only a fallback)."""
+    if named:
+        return f"event: error\ndata: {json.dumps(error_event(error))}\n\n"
     return f"data: {json.dumps(error.body())}\n\n"
+
+
+def error_event(error: ApiError) -> dict[str, Any]:
+    """`error` as a Responses stream's ``error`` event (OpenAI's ResponseErrorEvent, less the
+    `sequence_number` its stream adds)."""
+    return {"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param}
