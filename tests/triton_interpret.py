@@ -15,7 +15,6 @@ from types import ModuleType
 import pytest
 import torch
 
-
 _interpreting = False  # triton was first imported here, under the interpreter
 
 
