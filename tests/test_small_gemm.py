@@ -37,6 +37,23 @@ def test_kernel_equals_f_linear(kernel, rows, out_features, in_features, bias) -
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, MAX_ROWS])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (7, 13), (6, 31), (5, 33), (1024, 512), (513, 1408)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_kernel_rounds_a_float32_sum_once(kernel, rows, out_features, in_features, bias) -> None:
+    """The bf16 products are exact in float32 and summed there (vdpbf16ps, or widened FMAs), then rounded
+    once after the bias: within one bf16 rounding of the float32 result, summation order aside (K = 31/33
+    straddle the 32-wide step's masked tail)."""
+    x, weight, b = (t.bfloat16() if t is not None else None for t in operands(rows, out_features, in_features, bias))
+    out = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
+    kernel.small_linear(out, x, weight, b)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    scale = F.linear(x.double().abs(), weight.double().abs()).clamp(min=1.0)  # float32 summation error bound
+    error = (out.double() - exact).abs()
+    assert (error <= exact.abs() * 2 ** -8 + scale * 1e-6).all(), float((error - exact.abs() * 2 ** -8).max())
+    torch.testing.assert_close(linear(x, weight, b), out, rtol=0, atol=0)  # the layer takes the kernel
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_large_weight_split_over_threads_equals_f_linear(kernel, threads) -> None:
     """Weights past the kernel's per-thread share (1 MiB) are split over torch's threads in 4-row blocks; an odd
@@ -62,12 +79,12 @@ def test_linear_uses_the_kernel_up_to_max_rows(kernel, monkeypatch) -> None:
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "3-d", "strided x", "strided weight"])
+@pytest.mark.parametrize("case", ["float16", "3-d", "strided x", "strided weight"])
 def test_other_inputs_take_f_linear(case, monkeypatch) -> None:
     monkeypatch.setattr(small_gemm_module, "small_gemm_kernel", lambda: pytest.fail("kernel called"))
     x, weight, b = operands(2, 24, 16, True)
-    if case == "bfloat16":
-        x, weight, b = x.bfloat16(), weight.bfloat16(), b.bfloat16()
+    if case == "float16":
+        x, weight, b = x.half(), weight.half(), b.half()
     elif case == "3-d":
         x = x.unsqueeze(0)
     elif case == "strided x":
@@ -87,8 +104,10 @@ def test_kernel_rejects_wrong_shapes(kernel) -> None:
     x, weight, _ = operands(2, 24, 16, False)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         kernel.small_linear(torch.empty(2, 23), x, weight, None)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16, one dtype"):
         kernel.small_linear(torch.empty(2, 24), x.double(), weight, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16, one dtype"):
+        kernel.small_linear(torch.empty(2, 24, dtype=torch.bfloat16), x.bfloat16(), weight, None)
 
 
 def test_tiny_model_same_tokens_and_logprobs_with_and_without_kernel(kernel, tiny_llama_dir, monkeypatch) -> None:

@@ -10,10 +10,13 @@ time, float32, the tiny model's 33 projections of one decode step, 111 MB of wei
 (a wash, hence ``MAX_ROWS``). An earlier quieter run: 1 row 13.3 -> 13.0 / 16.6 -> 10.5 in two sittings.
 
 Rules:
-- The kernel serves float32 CPU tensors, x 2-D [M, K] with M <= ``MAX_ROWS`` and contiguous, W contiguous;
-  everything else (more rows, bfloat16, CUDA, no compiler, ``REDSERVE_NO_KERNELS`` naming ``small_gemm``)
-  goes to ``F.linear``.
-- Results equal ``F.linear``'s to summation order (tests/test_small_gemm.py).
+- The kernel serves float32 and bfloat16 CPU tensors (x, W and bias of one dtype), x 2-D [M, K] with
+  M <= ``MAX_ROWS`` and contiguous, W contiguous; everything else (more rows, float16, mixed dtypes, CUDA, no
+  compiler, ``REDSERVE_NO_KERNELS`` naming ``small_gemm``) goes to ``F.linear``.
+- bfloat16 multiplies with the CPU's bf16 dot products where it has them (AVX-512 BF16 ``vdpbf16ps``), else
+  widens to float32 (AVX2 FMAs); either way it reads half the bytes of float32.
+- Results equal ``F.linear``'s to summation order (bfloat16: to one rounding of a float32 sum;
+  tests/test_small_gemm.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from worker.kernels import load_extension
 
 MAX_ROWS = 16  # more rows: F.linear's GEMM
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def small_gemm_kernel():
@@ -33,8 +37,9 @@ def small_gemm_kernel():
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the kernel where the module rules allow."""
-    if (x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or not (x.is_contiguous() and weight.is_contiguous())):
+    if (x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype
+            or (bias is not None and bias.dtype != x.dtype) or x.device.type != "cpu"
+            or not (x.is_contiguous() and weight.is_contiguous())):
         return F.linear(x, weight, bias)
     kernel = small_gemm_kernel()
     if kernel is None:
