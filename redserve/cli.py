@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-workers", type=int, default=2)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every API route but /health (default: $REDSERVE_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every API route but /health, /readyz, /livez "
+                        "(default: $REDSERVE_API_KEY)")
     p.add_argument("--public-metrics", action="store_true", default=env_switch("REDSERVE_PUBLIC_METRICS"),
                    help="serve /metrics without the API key (default: $REDSERVE_PUBLIC_METRICS=1)")
     p.add_argument("--trust-request-chat-template", action="store_true",
