@@ -352,3 +352,22 @@ def _healthy(base: str) -> bool:
 def _comparable(body: dict[str, Any]) -> dict[str, Any]:
     """A response body without what differs between two identical requests (id, timestamp)."""
     return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+@pytest.mark.parametrize("service", ["engine-0", "api", "batch-worker"])
+def test_a_missing_model_directory_is_one_error_line(service: str) -> None:
+    """A service whose REDSERVE_MODEL does not exist exits non-zero with one line on stderr, no traceback."""
+    compose = load(COMPOSE, {"REDSERVE_MODEL": "/nonexistent/model"})["services"][service]
+    env = {**os.environ, **compose["environment"], "REDSERVE_REDIS_URL": "redis://127.0.0.1:9/0"}
+    done = subprocess.run(local_argv(compose["command"], free_port()), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/nonexistent/model" in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_with_a_missing_model_is_one_error_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "redserve.cli", "serve", "--model", "/nonexistent/model"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "redserve serve: --model '/nonexistent/model' is not a directory or a GGUF file"
