@@ -384,7 +384,16 @@ def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_p
         for typed in _typed_admin_commands():
             assert run_typed_admin_command(typed, services["redis"], redis_url, tmp_path) == "admin", typed
         local = {"REDSERVE_REDIS_URL": redis_url, "REDSERVE_STATE_DIR": str(tmp_path)}
-        assert healthcheck(services["engine-0"], {**services["engine-0"]["environment"], **local}) == 1
+        engine_env = {**services["engine-0"]["environment"], **local}
+        assert healthcheck(services["engine-0"], engine_env) == 1
+        keys = RedisKeys(host_env["REDSERVE_KEY_PREFIX"])
+        with redis.Redis.from_url(redis_url) as r:  # an engine's healthcheck is its readiness: alive is not enough
+            r.set(keys.engine_alive("0"), "probe", ex=60)
+            r.hset(keys.engine("0"), "state", "starting")
+            assert healthcheck(services["engine-0"], engine_env) == 1
+            r.hset(keys.engine("0"), "state", "ready")
+            assert healthcheck(services["engine-0"], engine_env) == 0
+            r.delete(keys.engine_alive("0"), keys.engine("0"))
         assert healthcheck(services["batch-worker"], {**services["batch-worker"]["environment"], **local}) == 1
         started = {}
         base = f"http://127.0.0.1:{port}"
@@ -395,7 +404,6 @@ def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_p
                 wait_for(lambda: _status(base, "/livez") == 200, 60, "the API's /livez", watch=(started[name],))
                 assert _status(base, "/health") == 503 and _status(base, "/readyz") == 503
                 assert healthcheck(services["api"], env, port) == 0
-        keys = RedisKeys(host_env["REDSERVE_KEY_PREFIX"])
         watch = tuple(started.values())
         wait_for(lambda: engine_ready(redis_url, keys), 120, "the engine", watch=watch)
         wait_for(lambda: _healthy(base), 60, "the API", watch=watch)
