@@ -1,7 +1,7 @@
 """The Flask app: routes, API-key check, body parsing and error mapping.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics.
+GET /readyz, GET /livez, GET /version, POST /tokenize, POST /detokenize, GET /metrics.
 
 Rules:
 - The generation handlers (`api.completions`, `api.chat`, `api.responses`) return an `api.answer.Answer`;
@@ -11,12 +11,15 @@ Rules:
 - Every error is OpenAI's error JSON (`api.errors`), including unknown routes (404), wrong methods
   (405), oversized bodies (413) and anything unexpected (500, logged); no input takes a process down.
 - With an API key configured, every route needs ``Authorization: Bearer <key>`` (401 otherwise, unknown
-  paths included) except /health, and /metrics when ``--public-metrics`` says so.
+  paths included) except /health, /readyz and /livez, and /metrics when ``--public-metrics`` says so.
 - Request paths in log lines are escaped (`api.log_safety.printable`): one line per event.
 - Bodies are JSON objects; invalid JSON (NaN and Infinity included) is a 400.
-- /health is 200 when at least one READY engine has a live heartbeat, else 503 with the reason in
-  `status` (never 500: garbage in Redis is skipped by the readers, anything else is "control state
-  unreadable").
+- Readiness: /health (as vLLM's) and its alias /readyz are 200 when at least one READY engine has a live
+  heartbeat, else 503 with the reason in `status` (never 500: garbage in Redis is skipped by the readers,
+  anything else is "control state unreadable").
+- Liveness: /livez is 200 whenever this API process serves requests: it reads neither Redis nor the
+  engines, so a model still loading (or an engine down) never makes an orchestrator restart the API
+  (docker-compose's API healthcheck uses it; readiness shows through the engines' healthchecks).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
     created = int(time.time())
     start_at_zero(config.model_name)
 
-    open_paths = {"/health", "/metrics"} if config.public_metrics else {"/health"}
+    open_paths = {"/health", "/readyz", "/livez", *(["/metrics"] if config.public_metrics else [])}
 
     @app.before_request
     def check_api_key() -> None:
@@ -103,6 +106,7 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
         return jsonify({"object": "list", "data": data})
 
     @app.get("/health")
+    @app.get("/readyz")
     def health() -> Response:
         try:
             engines = state.ready_engines()
@@ -114,6 +118,10 @@ def create_app(config: ApiConfig, state: ApiState | None = None) -> Flask:
         if not engines:
             return _status(503, f"no engine is ready; registered: {_engine_summary(state)}", 0)
         return _status(200, "ok", len(engines))
+
+    @app.get("/livez")
+    def livez() -> Response:
+        return jsonify({"status": "ok"})
 
     @app.get("/version")
     def version() -> Response:

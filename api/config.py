@@ -17,7 +17,7 @@ class ApiConfig:
     the `model` path as given. Overload (per API process): `max_queued_requests` in-flight slots
     (prompts x n) before 429; 429 too while every READY engine has `max_engine_waiting` requests
     waiting; 503 when the chosen engine's request stream holds `max_engine_backlog` messages. `api_key` None leaves every route open; with a key, every route but
-    /health needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
+    /health, /readyz and /livez needs it (and /metrics too unless `public_metrics`). `trust_request_chat_template` lets
     requests carry their own chat template (the caller's Jinja runs here). `tool_call_parser` and
     `enable_auto_tool_choice`: see `api.tools`. `max_migrations`: how many times a started request may
 be resumed on another engine when its engine goes (`broker.client.migration`; 0: never). `generation_config`:

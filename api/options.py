@@ -42,7 +42,7 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gunicorn threads per worker; must exceed --max-concurrent-streams so that /health, "
                              f"/metrics and 429 answers always find one (default: that limit + {THREAD_RESERVE})")
     parser.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on every route but /health "
+                        help="require `Authorization: Bearer KEY` on every route but /health, /readyz, /livez "
                              "(default: $REDSERVE_API_KEY)")
     parser.add_argument("--public-metrics", action="store_true", default=env_switch("REDSERVE_PUBLIC_METRICS"),
                         help="serve /metrics without the API key, e.g. to a Prometheus scraper on a trusted "

@@ -57,6 +57,7 @@ def resolve_model(args: argparse.Namespace) -> None:
     process, so `serve` stays torch-free) so the engines and API workers started next find it cached.
     ``args.model`` keeps the GGUF path: it is the served name and every process resolves it alike."""
     if args.model is not None:
+        check_model_path(args)
         _convert_gguf(args)
     else:
         from engine.tiny_model import default_model_dir, ensure_default_model
@@ -65,14 +66,29 @@ def resolve_model(args: argparse.Namespace) -> None:
         args.model = str(ensure_default_model())
 
 
+def check_model_path(args: argparse.Namespace) -> None:
+    """Exit with one line (no traceback) when ``--model`` is neither a directory nor a ``.gguf`` file."""
+    from broker.model_source import is_gguf
+    if args.model is None:
+        return
+    if is_gguf(args.model) and not os.path.isfile(args.model):
+        sys.exit(f"redserve {args.command}: GGUF file not found: {args.model}")
+    if not is_gguf(args.model) and not os.path.isdir(args.model):
+        sys.exit(f"redserve {args.command}: --model {args.model!r} is not a directory or a GGUF file")
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from common.proctitle import set_title
     from engine.server import EngineServer
     if not args.redis_url:
         sys.exit("redserve engine: --redis-url (or REDSERVE_REDIS_URL) is required")
     resolve_model(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:  # a model directory without config.json, a bad dtype...: one line, not a traceback
+        sys.exit(f"redserve engine: {e}")
     set_title(f"redserve-engine-{args.dp_rank}")
-    server = EngineServer(engine_config_from_args(args), args.redis_url, dp_rank=args.dp_rank,
+    server = EngineServer(config, args.redis_url, dp_rank=args.dp_rank,
                           engine_id=args.engine_id, key_prefix=args.key_prefix,
                           drain_timeout=args.drain_timeout, heartbeat_ttl=args.heartbeat_ttl,
                           dp_lockstep=args.dp_lockstep, worker_address=args.worker_address,
@@ -172,6 +188,7 @@ def _convert_gguf(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from redserve.stack import run_stack
+    check_model_path(args)  # before the stack starts anything
     os.environ["REDSERVE_GENERATION_CONFIG"] = args.generation_config  # the API (and batch) children read it
     _export_routing(args)
     return run_stack(args)
@@ -197,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-workers", type=int, default=2)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every API route but /health (default: $REDSERVE_API_KEY)")
+                   help="require `Authorization: Bearer KEY` on every API route but /health, /readyz, /livez "
+                        "(default: $REDSERVE_API_KEY)")
     p.add_argument("--public-metrics", action="store_true", default=env_switch("REDSERVE_PUBLIC_METRICS"),
                    help="serve /metrics without the API key (default: $REDSERVE_PUBLIC_METRICS=1)")
     p.add_argument("--trust-request-chat-template", action="store_true",

@@ -264,6 +264,19 @@ def test_no_engine_is_503(tiny_llama_dir, tokenizer, text_tokens) -> None:
     assert http.get("/health").status_code == 200
 
 
+def test_liveness_needs_no_engine_and_no_key(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    """/livez (liveness) is 200 while this process serves, engine or not; /health and /readyz (readiness) 503."""
+    client = FakeClient(token_script(text_tokens))
+    client.ready = False
+    http = make_app(tiny_llama_dir, tokenizer, client, api_key="sekret")
+    live = http.get("/livez")
+    assert live.status_code == 200 and live.get_json() == {"status": "ok"}
+    assert http.get("/health").status_code == 503 and http.get("/readyz").status_code == 503
+    assert http.get("/version").status_code == 401
+    client.ready = True
+    assert [http.get(path).status_code for path in ("/livez", "/health", "/readyz")] == [200, 200, 200]
+
+
 def test_engine_rejection_before_streaming_keeps_its_status(tiny_llama_dir, tokenizer) -> None:
     client = FakeClient(lambda add: [RequestOutput.failure(add.request_id, ErrorCode.INVALID_REQUEST, "nope")])
     http = make_app(tiny_llama_dir, tokenizer, client)

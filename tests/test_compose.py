@@ -8,6 +8,10 @@ a small batch and pass their healthchecks.
 Safe to expose: the API key and the Redis passwords are required and reach the services through the
 environment only (never a command line), published ports bind 127.0.0.1 unless the user opts out,
 every service runs with no-new-privileges, no capabilities, an init process and a restart policy.
+What a user types from the docs works: the README's `.env` recipe satisfies every required variable, the
+admin redis-cli command of the header and README gets in as `admin` when typed in a shell, one service
+builds the image, the API's healthcheck (liveness) passes with no engine while /health is 503, the batch
+worker's healthcheck passes against a live worker, and a missing model directory is one error line.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,11 +35,12 @@ from stack_procs import Procs, engine_ready, free_port, title, wait_for
 
 from broker.keys import RedisKeys
 from broker.redis_conf import APP_USER, APP_USER_RULES
-from broker.redis_server import redis_server_path
+from broker.redis_server import redis_cli_path, redis_server_path
 from redserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
+README = ROOT / "README.md"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 REDSERVE_SERVICES = {"coordinator", "engine-0", "engine-1", "api", "batch-worker"}
 MONITORING_SERVICES = {"prometheus", "grafana"}
@@ -127,6 +133,86 @@ def test_every_command_is_a_valid_redserve_command(monkeypatch: pytest.MonkeyPat
     assert parsed["api"].api_key == SECRETS["REDSERVE_API_KEY"] and not parsed["api"].public_metrics
     assert parsed["batch-worker"].batch_command == "worker" and parsed["batch-worker"].concurrency == 2
     assert parsed["batch-worker"].model == "/models/model"
+    ping = parse_command({**services["batch-worker"], "command": services["batch-worker"]["healthcheck"]["test"][1:]},
+                         monkeypatch)
+    assert (ping.command, ping.batch_command) == ("batch", "ping")
+    assert ping.redis_url == f"redis://{APP_USER}:app9c0ffee@redis:6379/0" and not ping.any_host
+
+
+def test_the_image_is_built_once() -> None:
+    """One service builds the image (`docker-compose build` builds it once); every redserve service runs it."""
+    services = load(COMPOSE)["services"]
+    builders = sorted(name for name, service in services.items() if "build" in service)
+    assert builders == ["coordinator"] and services["coordinator"]["build"] == "."
+    assert {services[name]["image"] for name in REDSERVE_SERVICES} == {"redserve:latest"}
+    custom = load(COMPOSE, {"REDSERVE_IMAGE": "registry.example/redserve:1"})["services"]
+    assert {custom[name]["image"] for name in REDSERVE_SERVICES} == {"registry.example/redserve:1"}
+
+
+def test_engines_keep_the_cpu_kernels_in_a_volume() -> None:
+    """g++ ships in the image; the engines build the kernels at first start into a named volume at the
+    image's REDSERVE_KERNEL_CACHE_DIR, and nothing builds them at image build time (-march=native)."""
+    compose = load(COMPOSE)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    cache_dir = re.search(r"REDSERVE_KERNEL_CACHE_DIR=(\S+)", dockerfile)[1]
+    assert re.search(r"apt-get install [^\n]*\bg\+\+", dockerfile) and "worker.kernels" not in dockerfile
+    assert re.search(r'chown redserve "\$REDSERVE_KERNEL_CACHE_DIR"', dockerfile)
+    for name in ("engine-0", "engine-1"):
+        assert f"kernel-cache:{cache_dir}" in compose["services"][name]["volumes"], name
+        assert "./models:/models:ro" in compose["services"][name]["volumes"], name
+    assert "kernel-cache" in compose["volumes"]
+
+
+def test_ignore_files_keep_secrets_and_models_out() -> None:
+    gitignore = (ROOT / ".gitignore").read_text().split()
+    dockerignore = (ROOT / ".dockerignore").read_text().split()
+    assert ".env" in gitignore and "/models/" in gitignore
+    assert ".env" in dockerignore and "models" in dockerignore
+
+
+def _readme_compose_block() -> str:
+    section = README.read_text().split("## docker compose\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```bash\n(.*?)```", section, re.S)[1]
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines, `# ...` comments (whole lines, or after a value and a space) dropped, as Compose reads them."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = re.sub(r"(^|\s+)#.*", "", line).strip()
+        if line:
+            name, _, value = line.partition("=")
+            env[name] = value
+    return env
+
+
+def test_the_readme_env_recipe_sets_the_required_secrets(tmp_path: Path) -> None:
+    """The README's `.env` lines, run as given, write a 0600 file with which compose finds every required
+    variable (without them `up` stops with "Missing mandatory value")."""
+    setup = _readme_compose_block().split("\ndocker ", 1)[0]
+    assert "chmod 600 .env" in setup
+    done = subprocess.run(["bash", "-euc", setup], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr
+    dotenv = tmp_path / ".env"
+    assert dotenv.stat().st_mode & 0o777 == 0o600
+    env = _dotenv(dotenv)
+    for name in SECRETS:
+        assert re.fullmatch(r"[0-9a-f]{64}", env[name]), name
+    assert len({env[name] for name in SECRETS}) == len(SECRETS)
+    services = load(COMPOSE, env, secrets=False)["services"]  # would raise MissingVariable
+    assert services["api"]["environment"]["REDSERVE_API_KEY"] == env["REDSERVE_API_KEY"]
+    assert services["engine-0"]["environment"]["REDSERVE_MODEL"] == "/models/Qwen2.5-0.5B-Instruct"
+    assert "/srv/models:/models:ro" in services["api"]["volumes"]
+
+
+def _typed_admin_commands() -> list[str]:
+    """The `... exec redis sh -c '...redis-cli --user admin'` lines of the compose header and the README."""
+    header = [line.lstrip("# ").split("  ")[0] for line in COMPOSE.read_text().splitlines()
+              if line.startswith("#") and " exec redis " in line]
+    readme = [line.split("  #")[0].strip() for line in _readme_compose_block().splitlines() if " exec redis " in line]
+    assert header and readme
+    return header + readme
 
 
 def test_compose_variables_are_read_by_the_code() -> None:
@@ -151,8 +237,7 @@ def test_compose_is_safe_to_expose() -> None:
         assert "no-new-privileges:true" in service["security_opt"], name
         assert service["cap_drop"] == ["ALL"], name
         assert "privileged" not in service and "network_mode" not in service, name
-        if name != "batch-worker":
-            assert service["healthcheck"]["test"][0] == "CMD", name
+        assert service["healthcheck"]["test"][0] == "CMD", name
         for spec in service.get("ports", []):  # host address:host port:container port
             assert spec.startswith("127.0.0.1:"), f"{name} publishes {spec} beyond loopback"
         for secret in SECRETS.values():
@@ -296,18 +381,35 @@ def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_p
     try:
         redis_url = start_compose_redis(procs, services["redis"], tmp_path)
         check_redis_acl(redis_url)
+        for typed in _typed_admin_commands():
+            assert run_typed_admin_command(typed, services["redis"], redis_url, tmp_path) == "admin", typed
         local = {"REDSERVE_REDIS_URL": redis_url, "REDSERVE_STATE_DIR": str(tmp_path)}
-        assert healthcheck(services["engine-0"], {**services["engine-0"]["environment"], **local}) == 1
+        engine_env = {**services["engine-0"]["environment"], **local}
+        assert healthcheck(services["engine-0"], engine_env) == 1
+        keys = RedisKeys(host_env["REDSERVE_KEY_PREFIX"])
+        with redis.Redis.from_url(redis_url) as r:  # an engine's healthcheck is its readiness: alive is not enough
+            r.set(keys.engine_alive("0"), "probe", ex=60)
+            r.hset(keys.engine("0"), "state", "starting")
+            assert healthcheck(services["engine-0"], engine_env) == 1
+            r.hset(keys.engine("0"), "state", "ready")
+            assert healthcheck(services["engine-0"], engine_env) == 0
+            r.delete(keys.engine_alive("0"), keys.engine("0"))
+        assert healthcheck(services["batch-worker"], {**services["batch-worker"]["environment"], **local}) == 1
         started = {}
-        for name in ("coordinator", "engine-0", "api", "batch-worker"):
+        base = f"http://127.0.0.1:{port}"
+        for name in ("coordinator", "api", "batch-worker", "engine-0"):
             env = {**services[name]["environment"], **local}
             started[name] = procs.start(name, local_argv(services[name]["command"], port), env=env)
-        base = f"http://127.0.0.1:{port}"
-        keys = RedisKeys(host_env["REDSERVE_KEY_PREFIX"])
+            if name == "api":  # live with no engine (no auth either), while its readiness says 503
+                wait_for(lambda: _status(base, "/livez") == 200, 60, "the API's /livez", watch=(started[name],))
+                assert _status(base, "/health") == 503 and _status(base, "/readyz") == 503
+                assert healthcheck(services["api"], env, port) == 0
         watch = tuple(started.values())
         wait_for(lambda: engine_ready(redis_url, keys), 120, "the engine", watch=watch)
         wait_for(lambda: _healthy(base), 60, "the API", watch=watch)
-        for name, healthy in (("engine-0", 0), ("engine-1", 1), ("coordinator", 0), ("api", 0)):
+        assert _status(base, "/readyz") == 200 and _status(base, "/livez") == 200
+        for name, healthy in (("engine-0", 0), ("engine-1", 1), ("coordinator", 0), ("api", 0),
+                              ("batch-worker", 0)):
             env = {**services[name]["environment"], **local}
             wait_for(lambda s=services[name], e=env, h=healthy: healthcheck(s, e, port) == h, 30,
                      f"{name}'s healthcheck to exit {healthy}")
@@ -343,12 +445,69 @@ def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_p
 
 
 def _healthy(base: str) -> bool:
+    return _status(base, "/health") == 200
+
+
+def _status(base: str, path: str) -> int | None:
+    """The status code of an unauthenticated GET, or None if nothing answers."""
     try:
-        return requests.get(f"{base}/health", timeout=2).status_code == 200
+        return requests.get(f"{base}{path}", timeout=2).status_code
     except requests.RequestException:
-        return False
+        return None
+
+
+def run_typed_admin_command(typed: str, redis_service: dict[str, Any], redis_url: str, tmp_path: Path) -> str:
+    """`typed` (``docker compose exec redis sh -c '...'``) run by bash as a user types it, `docker` standing in
+    for Compose: the rest runs with the redis service's environment, its `redis-cli` pointed at the local
+    server; ``ACL WHOAMI`` on stdin. The user redis-cli logged in as (its output)."""
+    shim = tmp_path / "cli-bin"
+    shim.mkdir(exist_ok=True)
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    wrapper = shim / "redis-cli"
+    wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(redis_cli_path())} -p {port} \"$@\"\n")
+    wrapper.chmod(0o755)
+    container_env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in redis_service["environment"].items())
+    compose = (f'docker() {{ [ "$1 $2 $3" = "compose exec redis" ] && shift 3 && '
+               f'env -i PATH={shim}:/usr/bin:/bin {container_env} "$@"; }}\n'
+               f'docker-compose() {{ docker compose "$@"; }}\n')
+    done = subprocess.run(["bash", "-c", compose + typed], input="ACL WHOAMI\n", capture_output=True, text=True,
+                          timeout=30)
+    return (done.stdout + done.stderr).strip()
 
 
 def _comparable(body: dict[str, Any]) -> dict[str, Any]:
     """A response body without what differs between two identical requests (id, timestamp)."""
     return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def test_the_admin_command_would_fail_with_compose_escapes(tmp_path: Path) -> None:
+    """`$$` is Compose's escape inside the YAML only: typed in a shell it is the shell's PID (WRONGPASS)."""
+    services = load(COMPOSE)["services"]
+    procs = Procs(tmp_path)
+    try:
+        redis_url = start_compose_redis(procs, services["redis"], tmp_path)
+        typed = _typed_admin_commands()[0]
+        assert run_typed_admin_command(typed, services["redis"], redis_url, tmp_path) == "admin"
+        escaped = typed.replace("$REDIS_ADMIN_PASSWORD", "$$REDIS_ADMIN_PASSWORD")
+        assert "WRONGPASS" in run_typed_admin_command(escaped, services["redis"], redis_url, tmp_path)
+    finally:
+        procs.close()
+
+
+@pytest.mark.parametrize("service", ["engine-0", "api", "batch-worker"])
+def test_a_missing_model_directory_is_one_error_line(service: str) -> None:
+    """A service whose REDSERVE_MODEL does not exist exits non-zero with one line on stderr, no traceback."""
+    compose = load(COMPOSE, {"REDSERVE_MODEL": "/nonexistent/model"})["services"][service]
+    env = {**os.environ, **compose["environment"], "REDSERVE_REDIS_URL": "redis://127.0.0.1:9/0"}
+    done = subprocess.run(local_argv(compose["command"], free_port()), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/nonexistent/model" in lines[0] and "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_with_a_missing_model_is_one_error_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "redserve.cli", "serve", "--model", "/nonexistent/model"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "redserve serve: --model '/nonexistent/model' is not a directory or a GGUF file"

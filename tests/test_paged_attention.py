@@ -221,6 +221,17 @@ def test_build_key_follows_the_sources_and_the_shared_headers(tmp_path: Path, mo
     assert build.build_key([source]) != second
 
 
+def test_build_key_follows_the_cpu_flags(tmp_path: Path, monkeypatch) -> None:
+    """One cache shared by two kinds of CPU (a compose volume) keeps a -march=native build per kind."""
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    source = tmp_path / "k.cpp"
+    source.write_text("int a;\n")
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "x86_64 x86_64 flags : fpu sse2 avx2")
+    avx2 = build.build_key([source])
+    monkeypatch.setattr(build, "_cpu_flags", lambda: "x86_64 x86_64 flags : fpu sse2 avx2 avx512f")
+    assert build.build_key([source]) != avx2
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_kernel_matches_index_copy(dtype: torch.dtype) -> None:

@@ -1,4 +1,4 @@
-"""``redserve batch worker | submit | status | results``.
+"""``redserve batch worker | submit | status | results | ping``.
 
 Rules:
 - Importing this module is cheap (argparse and os): ``redserve.cli`` imports it to build its parser.
@@ -10,6 +10,9 @@ Rules:
 - ``status`` prints "ID: STATUS, DONE/TOTAL done (FAILED failed)" or, with ``--json``, OpenAI's batch
   object. ``results`` writes the output lines (item order) to ``--output`` or stdout.
 - Unknown batch id: exit code 1.
+- ``ping`` (a healthcheck: docker-compose's batch worker) exits 0 when a batch worker of this host (its
+  Celery node name ends in ``@<hostname>``; ``--any-host``: of any host) answers a Celery ping within
+  ``--timeout`` seconds, printing the node names; 1 otherwise, with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--output", default=None, help="file to write (default: stdout)")
     r.add_argument("--wait", action="store_true", help="wait until the batch has completed")
 
+    pg = sub.add_parser("ping", help="exit 0 if a batch worker of this host answers a Celery ping (a healthcheck)")
+    _add_redis_args(pg)
+    pg.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    pg.add_argument("--any-host", action="store_true", help="any batch worker of the stack, not only this host's")
+
 
 def run_batch(args: argparse.Namespace) -> int:
     """Run a ``redserve batch`` subcommand; its exit code."""
@@ -80,7 +88,8 @@ def run_batch(args: argparse.Namespace) -> int:
         print(f"redserve batch {args.batch_command}: {e}", file=sys.stderr)
         return 2
     configure(settings)
-    command = {"worker": _worker, "submit": _submit, "status": _status, "results": _results}[args.batch_command]
+    command = {"worker": _worker, "submit": _submit, "status": _status, "results": _results,
+               "ping": _ping}[args.batch_command]
     return command(args, settings)
 
 
@@ -158,6 +167,27 @@ def _submit(args: argparse.Namespace, settings) -> int:
     print(f"batch {info.id}: {info.done}/{info.total} done ({info.failed} failed); results in {args.output}",
           file=sys.stderr)
     return 0 if info.status == "completed" else 1
+
+
+def _ping(args: argparse.Namespace, settings) -> int:
+    import socket
+
+    from api.batch.tasks import TITLE, app
+
+    host = socket.gethostname()
+    try:
+        replies = app.control.ping(timeout=args.timeout)
+    except Exception as e:  # noqa: BLE001 - the broker unreachable: unhealthy, one line
+        print(f"redserve batch ping: no answer ({type(e).__name__}: {e})", file=sys.stderr)
+        return 1
+    nodes = sorted(name for reply in replies for name in reply
+                   if name.startswith(f"{TITLE}-") and (args.any_host or name.endswith(f"@{host}")))
+    if not nodes:
+        where = "any host" if args.any_host else host
+        print(f"redserve batch ping: no batch worker of {where} answered within {args.timeout:g} s", file=sys.stderr)
+        return 1
+    print("\n".join(nodes))
+    return 0
 
 
 def _open_input(path: str) -> TextIO:
