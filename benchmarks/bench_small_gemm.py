@@ -2,8 +2,9 @@
 head) through ``F.linear`` vs the ``small_gemm`` kernel, at a few row counts.
 
     python benchmarks/bench_small_gemm.py [--threads 1] [--rows 1,2,4,8,16] [--repeats 10] [--rounds 5]
+        [--dtype float32|bfloat16]
 
-Each layer has its own weights (128 MB in all, far over the L3), so every product reads its weight from
+Each layer has its own weights (128 MB in float32, 64 in bfloat16: far over the L3), so every product reads its weight from
 memory as a decode step does. With one thread the time is the thread's CPU time (``time.thread_time``),
 which other work on a shared machine does not inflate; with more, wall-clock. Prints the best round of
 each, ms per step, the two paths alternating.
@@ -39,17 +40,21 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     kernel = small_gemm_kernel()
     if kernel is None:
         raise SystemExit("the small_gemm kernel does not build here")
-    weights = [torch.randn(*shape) for _ in range(8) for shape in LAYER_SHAPES] + [torch.randn(*LM_HEAD)]
+    weights = [torch.randn(*shape).to(dtype) for _ in range(8) for shape in LAYER_SHAPES]
+    weights.append(torch.randn(*LM_HEAD).to(dtype))
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    print(f"threads={args.threads}, {sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB of weights, ms per step")
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(f"{args.dtype}, threads={args.threads}, {megabytes:.0f} MB of weights, ms per step")
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        outs = [torch.empty(rows, w.shape[0]) for w in weights]
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(dtype) for w in weights}
+        outs = [torch.empty(rows, w.shape[0], dtype=dtype) for w in weights]
 
         def with_torch(inputs=inputs):
             for w in weights:

@@ -13,8 +13,12 @@ Rules:
 - The kernel serves float32 and bfloat16 CPU tensors (x, W and bias of one dtype), x 2-D [M, K] with
   M <= ``MAX_ROWS`` and contiguous, W contiguous; everything else (more rows, float16, mixed dtypes, CUDA, no
   compiler, ``REDSERVE_NO_KERNELS`` naming ``small_gemm``) goes to ``F.linear``.
-- bfloat16 multiplies with the CPU's bf16 dot products where it has them (AVX-512 BF16 ``vdpbf16ps``), else
-  widens to float32 (AVX2 FMAs); either way it reads half the bytes of float32.
+- bfloat16 multiplies with the CPU's bf16 dot products where it has them (AVX-512 BF16 ``vdpbf16ps``, four
+  rows of W by two of x per pass), else widens to float32 (AVX2 FMAs); either way it reads half the bytes of
+  float32. Measured on a 2-core AMD EPYC with avx512_bf16 (4 Dec 2026), the same projections in bfloat16
+  (56 MB), one thread's CPU time, ms per step F.linear -> kernel: 1 row 6.97 -> 2.94, 2 rows 7.18 -> 3.28,
+  4 rows 8.11 -> 3.91, 8 rows 8.50 -> 4.80, 16 rows 11.08 -> 8.33 (float32 1 row: 10.15 -> 5.12). In the
+  engine, offline batch 1, tiny model: 6.96-7.00 -> 4.36-4.61 ms a token (float32 with its kernel: 7.30).
 - Results equal ``F.linear``'s to summation order (bfloat16: to one rounding of a float32 sum;
   tests/test_small_gemm.py).
 """

@@ -107,18 +107,35 @@ inline __m512bh load_bf16(const uint16_t* p, int64_t n) {  // n < 32 zero-fills 
   return (__m512bh)v;
 }
 
-// out[r] = dot(w + r * k, x) for r < rows (at most 4), 32 pairs a step with vdpbf16ps.
-inline void dot_rows_bf16(float* out, const uint16_t* w, const uint16_t* x, int64_t k, int64_t rows) {
-  __m512 acc[kRowsPerBlock] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const char* next = reinterpret_cast<const char*>(w + rows * k);
+// out[j * rows + r] = dot(w + r * k, x + j * k) for r < ROWS rows of W and j < XS rows of x: ROWS * XS
+// accumulators in registers, each W and x load used XS or ROWS times; 32 pairs a step with vdpbf16ps.
+template <int ROWS, int XS>
+inline void dot_tile_bf16(float* out, const uint16_t* w, const uint16_t* x, int64_t k) {
+  __m512 acc[XS][ROWS];
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm512_setzero_ps();
+  const char* next = reinterpret_cast<const char*>(w + ROWS * k);
   for (int64_t i = 0; i < k; i += 32) {
-    for (int64_t r = 0; r < rows; ++r)  // the next block, as many lines as this step reads of this one
-      _mm_prefetch(next + (i * rows + r * 32) * 2, _MM_HINT_T0);
-    const __m512bh xv = load_bf16(x + i, k - i);
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16(w + r * k + i, k - i), xv);
+    for (int r = 0; r < ROWS; ++r)  // the next block of W, as many lines as this step reads of this one
+      _mm_prefetch(next + (i * ROWS + r * 32) * 2, _MM_HINT_T0);
+    __m512bh xv[XS];
+    for (int j = 0; j < XS; ++j) xv[j] = load_bf16(x + j * k + i, k - i);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh wv = load_bf16(w + r * k + i, k - i);
+      for (int j = 0; j < XS; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], wv, xv[j]);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < ROWS; ++r) out[j * ROWS + r] = _mm512_reduce_add_ps(acc[j][r]);
 }
+
+// out[r] = dot(w + r * k, x) for r < rows (at most 4).
+inline void dot_rows_bf16(float* out, const uint16_t* w, const uint16_t* x, int64_t k, int64_t rows) {
+  if (rows == kRowsPerBlock) return dot_tile_bf16<kRowsPerBlock, 1>(out, w, x, k);
+  for (int64_t r = 0; r < rows; ++r) dot_tile_bf16<1, 1>(out + r, w + r * k, x, k);
+}
+
+#define REDSERVE_BF16_TILES 1
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 widen8(const uint16_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -151,13 +168,26 @@ inline void dot_rows_bf16(float* out, const uint16_t* w, const uint16_t* x, int6
 
 void columns_bf16(at::BFloat16* out, const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t m,
                   int64_t n, int64_t k, int64_t first, int64_t last) {
-  float block[kRowsPerBlock];
+  float block[2 * kRowsPerBlock];
+  auto store = [&](int64_t row, int64_t col, const float* sums, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r)
+      out[row * n + col + r] = at::BFloat16(sums[r] + (bias ? bf16_to_float(bias[col + r]) : 0.f));
+  };
   for (int64_t col = first; col < last; col += kRowsPerBlock) {
     const int64_t rows = std::min<int64_t>(kRowsPerBlock, last - col);
-    for (int64_t row = 0; row < m; ++row) {
+    int64_t row = 0;
+#if defined(REDSERVE_BF16_TILES)
+    if (rows == kRowsPerBlock) {  // two rows of x per pass over the block: 8 accumulators
+      for (; row + 2 <= m; row += 2) {
+        dot_tile_bf16<kRowsPerBlock, 2>(block, w + col * k, x + row * k, k);
+        store(row, col, block, rows);
+        store(row + 1, col, block + kRowsPerBlock, rows);
+      }
+    }
+#endif
+    for (; row < m; ++row) {
       dot_rows_bf16(block, w + col * k, x + row * k, k, rows);
-      for (int64_t r = 0; r < rows; ++r)
-        out[row * n + col + r] = at::BFloat16(block[r] + (bias ? bf16_to_float(bias[col + r]) : 0.f));
+      store(row, col, block, rows);
     }
   }
 }
