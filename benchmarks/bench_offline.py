@@ -102,12 +102,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating engine/transformers runs at batch N")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP size (transformers runs TP 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (transformers runs there too)")
+    parser.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     model_dir = str(args.model or ensure_default_model())
     dtype = getattr(torch, args.dtype)
-    llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, device=args.device)
+    llm = LLM(model_dir, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, device=args.device,
+              enforce_eager=args.enforce_eager)
     device = torch.device(llm.config.device)
     vocab = llm.engine.vocab_size
     total = args.num_prompts * args.output_len

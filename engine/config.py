@@ -48,6 +48,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     remote_stages: int = 0  # the last pipeline stages, taken by worker hosts (`redserve worker`)
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (CPU always does)
 
     def __post_init__(self) -> None:
         self.model = resolve_model_dir(self.model)  # a GGUF file: its converted HF directory (cached)

@@ -32,6 +32,9 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=env("REDSERVE_PIPELINE_PARALLEL_SIZE", 1),
                    help="pipeline stages, each a slice of the layers on its own TP group of workers")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--enforce-eager", action="store_true",
+                   default=os.environ.get("REDSERVE_ENFORCE_EAGER", "").strip().lower() in ("1", "true", "yes", "on"),
+                   help="no CUDA graphs: decode steps run eagerly too (default: captured per batch bucket on CUDA)")
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +52,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, remote_stages=getattr(args, "remote_stages", 0),
-        seed=args.seed)
+        seed=args.seed, enforce_eager=args.enforce_eager)
 
 
 def resolve_model(args: argparse.Namespace) -> None:

@@ -5,6 +5,10 @@ Under pipeline parallelism a runner holds one stage: the KV cache of its layers 
 in from the previous stage and out to the next (``worker.pipeline.StageLink``); only the last stage
 samples. The other stages never see sampled tokens, so each step brings them the tokens sampled for its
 requests since they were last scheduled (``new_token_ids``, kept by the executor).
+
+On CUDA (Triton attention, one pipeline stage, no ``--enforce-eager``) decode-only steps replay a CUDA
+graph captured per batch bucket once the KV cache exists (``worker.cuda_graphs``); prefill and mixed
+steps run eagerly, and so do logits and sampling.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.cuda_graphs import CudaGraph, GraphRunner, capture_sizes, graphs_off_reason
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
 from worker.input_batch import InputBatch, PromptLogprobRows
 from worker.kernels import available_extensions, load_extension
+from worker.layers import attention
 from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
 from worker.parallel_state import pp_group, tp_group
 from worker.pipeline import StageLink
@@ -59,6 +65,7 @@ class ModelRunner:
         self.num_layers = len(self.model.layer_range)  # this stage's
         self.link = StageLink(hf.hidden_size, self.dtype, self.device) if pp_group().size > 1 else None
         self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: GraphRunner | None = None
         self.memory: DeviceMemory | None = device_memory_for(self.device)
 
     def _max_model_len(self) -> int:
@@ -115,8 +122,40 @@ class ModelRunner:
                 f"the KV cache budget holds {num_blocks * self.config.block_size} tokens, fewer than "
                 f"max_model_len {self.max_model_len}; raise {more} or lower --max-model-len")
         self._allocate_kv_cache(num_blocks)
+        reason = graphs_off_reason(device=self.device, enforce_eager=self.config.enforce_eager,
+                                   use_triton=self.input_batch.use_triton,
+                                   pipeline_parallel_size=pp_group().size)
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
+            return
+        try:
+            self.capture_graphs()
+        except Exception:  # noqa: BLE001 - a capture that fails leaves the engine serving eagerly
+            logger.exception("CUDA graph capture failed; every step runs eagerly")
+            self.graph_runner = None
+
+    def capture_graphs(self, backend: type = CudaGraph, sizes: list[int] | None = None) -> GraphRunner:
+        """Capture the decode graphs over the current KV cache (``worker.cuda_graphs``); the CPU tests pass
+        the eager stand-in as ``backend``."""
+        kernels = attention.triton_attention()
+        kv_heads, longest = self.num_kv_heads, self.max_model_len
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+
+        runner = GraphRunner(
+            forward, sizes=sizes or capture_sizes(self.config.max_num_seqs),
+            max_blocks=-(-longest // self.config.block_size), block_size=self.config.block_size,
+            hidden_size=self.hf_config.hidden_size, dtype=self.dtype, device=self.device, max_seq_len=longest,
+            num_splits=lambda size: kernels.choose_num_splits(size * kv_heads, longest, self.device),
+            backend=backend)
+        runner.capture()
+        self.graph_runner = runner
+        return runner
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
+        self.graph_runner = None  # its graphs bind the old cache's addresses
         self.kv_caches = []
         shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -157,6 +196,8 @@ class ModelRunner:
         """This stage's layers; the final hidden stream on the last stage, None on the others (their
         output went to the next stage)."""
         if self.link is None:
+            if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+                return self.graph_runner.run(inputs)
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         pp = pp_group()
         intermediate = None if pp.is_first else self.link.receive(inputs.input_ids.shape[0])

@@ -89,6 +89,7 @@ def worker_main(config: dict[str, Any], rank: int, title: str, store_path: str, 
     finally:
         inbox.close()
         outbox.close()
+        runner.graph_runner = None  # graphs holding NCCL calls go before the communicator (pytorch#115388)
         destroy_tensor_parallel()
 
 

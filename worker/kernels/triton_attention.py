@@ -29,9 +29,11 @@ Rules:
 - Split-KV (flash decoding): with ``num_splits`` > 1 every program takes only its share of the key tiles
   and writes its partial output (normalised over its own keys) and their log-sum-exp; a second kernel
   combines the splits per (token, head), weighting each by exp(lse - max lse). ``choose_num_splits``
-  turns it on only when the batch gives too few programs to fill the GPU and the context is long.
-- Negative slots in the slot mapping are skipped by the K/V write (padding rows; the scheduler sends
-  none today).
+  turns it on only when the batch gives too few programs to fill the GPU and the context is long. Under
+  CUDA graphs the count is fixed per batch bucket (``UnifiedBatch.num_splits``) whatever the lengths:
+  splits past a short context's last tile get no keys, write lse = -inf and weigh nothing.
+- Negative slots in the slot mapping are skipped by the K/V write (the padding rows of a CUDA-graph
+  batch, ``worker.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -177,7 +179,9 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride_t, out_strid
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(part_lse_ptr + parts)
-    weight = tl.exp(lse - tl.max(lse, 0))  # every row has a split that saw keys: the max is finite
+    # Splits that got no keys (a fixed split count over a short context) hold lse = -inf and weigh 0; split 0
+    # always gets the first key tile of the row's range, so the max is finite for every row with a key.
+    weight = tl.exp(lse - tl.max(lse, 0))
     partial = tl.load(part_out_ptr + parts[:, None] * HEAD_DIM + dims[None, :], mask=dim_ok[None, :], other=0.0)
     out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty),
@@ -225,7 +229,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       batch, *, scale: float, sliding_window: int | None = None, softcap: float | None = None,
                       num_splits: int | None = None, tile: int = TILE_N) -> torch.Tensor:
     """Attention of every query row of ``batch`` (a ``UnifiedBatch``) into ``out`` [T, H, d].
-    ``num_splits`` None chooses (``choose_num_splits``); a power of two forces it."""
+    ``num_splits`` None takes ``batch.num_splits`` (set under CUDA graphs) or else chooses
+    (``choose_num_splits``); a power of two forces it."""
     num_tokens, num_heads, head_dim = q.shape
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -233,6 +238,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = num_heads // kv_heads
     block_q = query_tile(group, batch.max_query_len)
     tiles = num_tokens // block_q + batch.num_seqs
+    if num_splits is None:
+        num_splits = batch.num_splits
     if num_splits is None:  # decode-only: one busy tile per sequence; else the grid bounds it
         busy = batch.num_seqs if batch.max_query_len == 1 else tiles
         num_splits = choose_num_splits(busy * kv_heads, batch.max_seq_len, q.device, tile)

@@ -89,7 +89,8 @@ class UnifiedBatch:
     """Every sequence of a step, for the Triton kernel (``worker.kernels.triton_attention``), as int32
     tensors on the device: sequence s owns query rows ``[query_start_loc[s], query_start_loc[s + 1])``
     and ``seq_lens[s]`` keys (its new tokens included); ``block_tables[s]`` lists its blocks. The host
-    ints size the launch without reading the device."""
+    ints size the launch without reading the device. ``num_splits`` fixes the split-KV count (CUDA graphs
+    need launches that do not depend on the step's lengths); None lets each step choose."""
 
     block_size: int
     block_tables: torch.Tensor
@@ -99,6 +100,7 @@ class UnifiedBatch:
     max_query_len: int
     max_seq_len: int
     split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_splits: int | None = None
 
     def scratch(self, tokens: int, heads: int, splits: int, head_dim: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
