@@ -2,33 +2,18 @@
 
 On the CPU the graph runner's backend is the eager stand-in (``EagerGraph``: "replay" calls the captured
 function again), so bucketing, padding and the static buffers run through the same code a GPU runs, the
-Triton kernels under the interpreter (``REDSERVE_TRITON_ATTENTION=1``, ``TRITON_INTERPRET=1`` as in
-tests/test_triton_attention.py). The capture itself, in bfloat16, is checked on CUDA only.
+Triton kernels under the interpreter (``REDSERVE_TRITON_ATTENTION=1``; tests/triton_interpret.py). The capture itself, in bfloat16, is checked on CUDA only.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
+from triton_interpret import load
 
-# As tests/test_triton_attention.py: TRITON_INTERPRET is set from before triton's first import until the
-# kernels module is imported, and around each test here (``interpret``), never for the rest of the run.
-_set_here = (not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
-             and "triton" not in sys.modules)
-if _set_here:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton")
-    from worker.layers import attention
-
-    kernels = attention.triton_attention()
-finally:
-    if _set_here:
-        del os.environ["TRITON_INTERPRET"]
+kernels, DEVICE, INTERPRETED = load("triton_attention")
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
@@ -36,15 +21,6 @@ from worker import cuda_graphs  # noqa: E402
 from worker.cuda_graphs import CudaGraph, EagerGraph, capture_sizes, graphs_off_reason  # noqa: E402
 from worker.layers.attention import UnifiedBatch  # noqa: E402
 
-if kernels is None:
-    pytest.skip("worker.kernels.triton_attention does not import", allow_module_level=True)
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-INTERPRETED = isinstance(kernels._attention_kernel, InterpretedFunction)
-if not (INTERPRETED or torch.cuda.is_available()):
-    pytest.skip("no GPU, and triton was imported before this module could set TRITON_INTERPRET=1 "
-                "(run it with TRITON_INTERPRET=1)", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 requires_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="the eager stand-in runs on the CPU")
 

@@ -29,8 +29,10 @@ def load(name: str) -> tuple[ModuleType, torch.device, bool]:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         pytest.importorskip("triton")
-        from worker.layers.triton_path import triton_module
+        from worker.layers.triton_path import MODULES, triton_module
 
+        for each in MODULES:  # all of them now, under the interpreter, whichever test module comes first
+            triton_module(each)
         module = triton_module(name)
     finally:
         if set_here:
