@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from redserve.model_arg import check_model_path, resolve_model
+
 
 def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -53,31 +55,6 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, remote_stages=getattr(args, "remote_stages", 0),
         seed=args.seed, enforce_eager=args.enforce_eager)
-
-
-def resolve_model(args: argparse.Namespace) -> None:
-    """Fill in the tiny test model when no --model is given; convert a GGUF --model now (in a child
-    process, so `serve` stays torch-free) so the engines and API workers started next find it cached.
-    ``args.model`` keeps the GGUF path: it is the served name and every process resolves it alike."""
-    if args.model is not None:
-        check_model_path(args)
-        _convert_gguf(args)
-    else:
-        from engine.tiny_model import default_model_dir, ensure_default_model
-        logging.getLogger("redserve").warning(
-            "no --model given: serving the tiny test model (random weights) at %s", default_model_dir())
-        args.model = str(ensure_default_model())
-
-
-def check_model_path(args: argparse.Namespace) -> None:
-    """Exit with one line (no traceback) when ``--model`` is neither a directory nor a ``.gguf`` file."""
-    from broker.model_source import is_gguf
-    if args.model is None:
-        return
-    if is_gguf(args.model) and not os.path.isfile(args.model):
-        sys.exit(f"redserve {args.command}: GGUF file not found: {args.model}")
-    if not is_gguf(args.model) and not os.path.isdir(args.model):
-        sys.exit(f"redserve {args.command}: --model {args.model!r} is not a directory or a GGUF file")
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -178,15 +155,6 @@ def cmd_api(args: argparse.Namespace) -> int:
     from api.server import run_api
     _export_routing(args)
     return run_api(args)
-
-
-def _convert_gguf(args: argparse.Namespace) -> None:
-    from broker.model_source import is_gguf, resolve_model_dir
-    if is_gguf(args.model):
-        try:
-            resolve_model_dir(args.model, in_subprocess=True)
-        except ValueError as e:
-            sys.exit(f"redserve {args.command}: {e}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

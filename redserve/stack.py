@@ -48,8 +48,8 @@ from broker.keys import RedisKeys
 from broker.redis_server import EmbeddedRedis
 from common.proctitle import set_title
 from common.stack_state import StackState, remove_stack_state, write_stack_state
-from redserve.cli import resolve_model
 from redserve.devices import engine_device_env
+from redserve.model_arg import resolve_model
 from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supervisor, describe_exit
 
 logger = logging.getLogger("redserve.stack")
