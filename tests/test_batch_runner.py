@@ -25,6 +25,8 @@ CASES = [
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 2}),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
     ("/v1/completions", {"prompt": [99999]}),
+    ("/v1/responses", {"input": CHAT, "instructions": "Be brief.", "max_output_tokens": 6}),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}),
 ]
 
 BATCH_SIDE = """
@@ -44,8 +46,12 @@ print(json.dumps([runner.run(BatchRequest(str(i), url, body)) for i, (url, body)
 
 
 def _stable(body: dict[str, Any]) -> dict[str, Any]:
-    """The body without what differs between two answers to the same request (its id and timestamp)."""
-    return {k: v for k, v in body.items() if k not in ("id", "created")}
+    """The body without what differs between two answers to the same request (ids and timestamps, the
+    Responses output items' own ids too)."""
+    stable = {k: v for k, v in body.items() if k not in ("id", "created", "created_at")}
+    if isinstance(stable.get("output"), list):
+        stable["output"] = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in stable["output"]]
+    return stable
 
 
 def test_batch_items_go_through_the_http_handlers_without_flask(tiny_llama_dir: str,
@@ -59,9 +65,13 @@ def test_batch_items_go_through_the_http_handlers_without_flask(tiny_llama_dir: 
     for (url, body), (status, batch_body) in zip(CASES, batch, strict=True):
         r = http.post(url, json=body)
         assert (status, _stable(batch_body)) == (r.status_code, _stable(r.get_json())), url
-    assert [status for status, _ in batch] == [200, 200, 200, 404, 400]
+    assert [status for status, _ in batch] == [200, 200, 200, 404, 400, 200, 400]
     completion, echoed, chat = (body for _, body in batch[:3])
     assert [c["text"] for c in completion["choices"]] == ["Hello world, this is a test. "] * 2
     assert [c["text"][:2] for c in echoed["choices"]] == ["xH", "yy"]
     assert chat["choices"][0]["message"]["content"] and len(chat["choices"][0]["logprobs"]["content"]) == 6
     assert completion["usage"]["completion_tokens"] > 0 and batch[3][1]["error"]["code"] == "model_not_found"
+    response = batch[5][1]
+    assert response["object"] == "response" and response["output"][0]["content"][0]["text"]
+    assert response["usage"]["output_tokens"] == 6 and response["status"] == "incomplete"
+    assert batch[6][1]["error"]["param"] == "previous_response_id"

@@ -54,12 +54,12 @@ def alive(redis_client, redis_keys, owner: str) -> None:
 
 # ------------------------------------------------------------------------------------------ formats
 
-def test_parse_request_line_accepts_both_endpoints() -> None:
+def test_parse_request_line_accepts_every_endpoint() -> None:
     r = parse_request_line(request_line(1))
     assert (r.custom_id, r.url, r.body["prompt"]) == ("req-1", "/v1/completions", "p1")
-    chat = parse_request_line(json.dumps({"custom_id": "c", "method": "post", "url": "/v1/chat/completions",
-                                          "body": {"messages": []}}))
-    assert chat.url == "/v1/chat/completions"
+    for url in ("/v1/chat/completions", "/v1/responses"):
+        other = parse_request_line(json.dumps({"custom_id": "c", "method": "post", "url": url, "body": {}}))
+        assert other.url == url
 
 
 @pytest.mark.parametrize(("line", "custom_id", "words"), [

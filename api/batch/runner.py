@@ -2,7 +2,7 @@
 
 Rules:
 - The request goes through the API's own handlers (`api.completions.create_completion`,
-  `api.chat.create_chat_completion`) with this process's `ApiState` (its `BrokerClient`, tokenizer
+  `api.chat.create_chat_completion`, `api.responses.create_response`) with this process's `ApiState` (its `BrokerClient`, tokenizer
   and in-flight limiter), called directly: no Flask, no HTTP request, no JSON round trip. Their
   `api.answer.Answer` holds the status code and body the endpoint would send.
 - `ApiError` becomes its status and OpenAI error body (`Answer.error`), as the app's error handler
@@ -27,6 +27,7 @@ from api.completions import create_completion
 from api.errors import ApiError
 from api.generation_defaults import apply_generation_defaults
 from api.log_safety import printable
+from api.responses import create_response
 from api.state import ApiState
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ TRANSIENT = frozenset({429, 503})
 
 Handler = Callable[[ApiState, Any, Callable[[], bool]], Answer]
 _HANDLERS: dict[str, Handler] = {"/v1/completions": create_completion,
-                                 "/v1/chat/completions": create_chat_completion}
+                                 "/v1/chat/completions": create_chat_completion,
+                                 "/v1/responses": create_response}
 
 
 def _still_connected() -> bool:
