@@ -8,11 +8,14 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_gpu import main as bench_gpu_main  # noqa: E402
+from benchmarks.bench_gpu import table as bench_gpu_table  # noqa: E402
 from benchmarks.bench_servers import ServerSpec, free_port, running_server  # noqa: E402
 from benchmarks.bench_vs_vllm import CASES, format_table, median_report, parse_args, round_ratios  # noqa: E402
 from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
@@ -161,3 +164,32 @@ def test_a_server_that_does_not_start_is_reported_and_the_run_fails(tmp_path: Pa
     assert code == 1
     assert "redserve skipped: redserve exited with code 3" in out
     assert '"error"' in (tmp_path / "out.json").read_text()
+
+
+def test_the_gpu_table_puts_each_figure_beside_its_target_and_floor() -> None:
+    args = SimpleNamespace(batch=256, input_len=128, output_len=128, dtype="bfloat16", hbm_tbps=4.8,
+                           enforce_eager=False)
+    result = {"device": "cuda:0", "weight_bytes": 2.4e9, "offline_batch_tok_s": 60_000.0,
+              "offline_batch_ms_per_step": 4.0, "offline_batch1_ms_per_token": 1.2, "matmul_only_ms_per_step": 1.15,
+              "busy_fraction": 0.9, "cpu_ms_per_step": 1.0, "device_ms_per_step": 3.6, "wall_ms_per_step": 4.0,
+              "transformers_tok_s": 4_000.0,
+              "served": {1: {"tpot_ms_p50": 1.4, "output_tok_per_s": 700.0, "failed": 0},
+                         64: {"tpot_ms_p50": 2.5, "output_tok_per_s": 26_000.0, "failed": 2}}}
+    text = bench_gpu_table(args, result)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 60,000 | >= 50,000 | matmul-only 1.15 ms/step |" in rows["offline batch 256, output tok/s"]
+    assert "| 15.00x | >= 5x |" in rows["offline batch 256 vs transformers generate"]
+    assert "weights 0.50 ms" in rows["offline batch 1, ms a token"]  # 2.4 GB at 4.8 TB/s
+    assert "| 90% | >= 0.85 |" in rows["steady decode: device busy / wall"]
+    assert "1.40 / 700 | <= 1.5 ms | TPOT floor 0.50 ms" in rows["served c=1, TPOT p50 ms / output tok/s"]
+    assert "(2 failed) | >= 25,000 tok/s" in rows["served c=64, TPOT p50 ms / output tok/s"]
+    assert "CUDA graphs on" in text
+    on_cpu = bench_gpu_table(args, {**result, "device": "cpu", "busy_fraction": None, "device_ms_per_step": None,
+                                    "served": {}})
+    assert "| n/a | >= 0.85 |" in on_cpu and "CUDA graphs off" in on_cpu and "served" not in on_cpu
+
+
+def test_bench_gpu_refuses_unknown_options() -> None:
+    with pytest.raises(SystemExit):
+        bench_gpu_main(["--no-such-option"])
+
