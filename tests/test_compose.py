@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,10 @@ def test_compose_commands_serve_a_request_and_a_batch(tiny_llama_dir: str, tmp_p
             env = {**services[name]["environment"], **local}
             wait_for(lambda s=services[name], e=env, h=healthy: healthcheck(s, e, port) == h, 30,
                      f"{name}'s healthcheck to exit {healthy}")
+        env = {**services["batch-worker"]["environment"], **local}
+        started_at = time.monotonic()
+        assert healthcheck(services["batch-worker"], env) == 0
+        assert time.monotonic() - started_at < 4.0, "the batch ping waited out its timeout instead of its answer"
 
         auth = {"Authorization": f"Bearer {SECRETS['REDSERVE_API_KEY']}"}
         body = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}

@@ -12,7 +12,8 @@ Rules:
 - Unknown batch id: exit code 1.
 - ``ping`` (a healthcheck: docker-compose's batch worker) exits 0 when a batch worker of this host (its
   Celery node name ends in ``@<hostname>``; ``--any-host``: of any host) answers a Celery ping within
-  ``--timeout`` seconds, printing the node names; 1 otherwise, with the reason on stderr.
+  ``--timeout`` seconds, printing its node name; 1 otherwise, with the reason on stderr. Only those workers
+  are pinged, and the first answer ends the wait (a healthy check takes milliseconds, not the timeout).
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def _ping(args: argparse.Namespace, settings) -> int:
     from api.batch.tasks import TITLE, app
 
     host = socket.gethostname()
-    try:
-        replies = app.control.ping(timeout=args.timeout)
+    pattern = f"{TITLE}-*" if args.any_host else f"{TITLE}-*@{host}"
+    try:  # only the batch workers wanted are asked, and the first answer ends the wait
+        replies = app.control.ping(timeout=args.timeout, pattern=pattern, matcher="glob", limit=1)
     except Exception as e:  # noqa: BLE001 - the broker unreachable: unhealthy, one line
         print(f"redserve batch ping: no answer ({type(e).__name__}: {e})", file=sys.stderr)
         return 1
