@@ -10,7 +10,8 @@ Rules:
 - Rounding follows the Hugging Face op sequence in the tensor's dtype, as the CPU kernels do
   (csrc/fused_ops.cpp): the residual sum is rounded to the dtype; Llama's norm rounds x * rstd to the dtype
   before the weight multiply, Gemma's multiplies by (1 + w) in float32 and rounds once; RoPE rounds each
-  product and then the sum; SiLU rounds the activation before the multiply. Sums of squares run in float32
+  product and then the sum (under the interpreter bit for bit as torch; on a GPU the compiler may fuse a
+  product into the sum, an FMA, so results stay within the sequence's rounding error but not bit-exact); SiLU rounds the activation before the multiply. Sums of squares run in float32
   in the kernel's own order (float32 agrees with torch to a few ulps, narrow dtypes to one ulp).
 - Rows may be strided (``row stride`` and, for [T, heads, d] views, a head stride); the last dim is contiguous.
 """
