@@ -3,7 +3,7 @@ hardware's speed).
 
     python benchmarks/bench_gpu.py [--model DIR] [--dtype bfloat16] [--batch 256] [--input-len 128]
         [--output-len 128] [--concurrency 1,64] [--hbm-tbps 4.8] [--skip-served] [--skip-transformers]
-        [--enforce-eager] [--device cuda] [--json FILE]
+        [--enforce-eager] [--async-scheduling auto|on|off] [--device cuda] [--kernels N] [--json FILE]
 
 Without ``--model`` it makes (once, ~35 s) the random-weight model with Llama-3.2-1B's shape that the
 project's GPU figures use (``~/.cache/redserve/bench-1b``). Rows, all in one sitting:
@@ -48,6 +48,7 @@ from redserve.bench_serve import bench_args, measure  # noqa: E402
 ONE_B_SHAPE = {"hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 8192,
                "vocab_size": 32000}
 SERVED_NAME = "bench-gpu"
+ASYNC = {"auto": None, "on": True, "off": False}
 TARGETS = {"served_c1_tpot_ms": "<= 1.5", "served_c64_tok_s": ">= 25,000", "offline_batch_tok_s": ">= 50,000",
            "offline_vs_transformers": ">= 5x", "busy_fraction": ">= 0.85", "cpu_vs_device_ms": "CPU < device"}
 
@@ -66,8 +67,9 @@ def weight_bytes(llm: LLM) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def profiled_decode(llm: LLM, batch: int, input_len: int, steps: int) -> dict:
-    """Device busy / wall and CPU / device time per step over ``steps`` steady decode steps at ``batch``."""
+def profiled_decode(llm: LLM, batch: int, input_len: int, steps: int, top: int = 0) -> dict:
+    """Device busy / wall and CPU / device time per step over ``steps`` steady decode steps at ``batch``;
+    with ``top`` also the profiler's table of the ``top`` ops by device time (``kernels``)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(llm.config.device)
@@ -76,7 +78,10 @@ def profiled_decode(llm: LLM, batch: int, input_len: int, steps: int) -> dict:
     engine = llm.engine
     for i, prompt in enumerate(random_prompts(batch, input_len, vocab, seed=4242)):
         engine.add_request(f"profiled-{i}", prompt, params)
-    for _ in range(8):  # prefill, then into steady decode
+    started: set[str] = set()
+    while len(started) < batch:  # every prompt prefilled (many steps at a large batch), then into steady decode
+        started.update(out.request_id for out in engine.step())
+    for _ in range(4):
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
@@ -88,15 +93,18 @@ def profiled_decode(llm: LLM, batch: int, input_len: int, steps: int) -> dict:
         wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     while engine.has_unfinished_requests():
         engine.step()
-    device_us = sum(e.self_device_time_total for e in prof.key_averages()) if device.type == "cuda" else 0.0
-    return {"wall_ms_per_step": wall / steps * 1e3, "cpu_ms_per_step": cpu / steps * 1e3,
+    averages = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in averages) if device.type == "cuda" else 0.0
+    kernels = {"kernels": averages.table(sort_by="self_device_time_total" if device_us else "self_cpu_time_total",
+                                         row_limit=top)} if top else {}
+    return {**kernels, "wall_ms_per_step": wall / steps * 1e3, "cpu_ms_per_step": cpu / steps * 1e3,
             "device_ms_per_step": device_us / 1e3 / steps if device_us else None,
             "busy_fraction": device_us / 1e6 / wall if device_us else None}
 
 
 def offline(args: argparse.Namespace, model_dir: str) -> dict:
     llm = LLM(model_dir, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-              max_num_seqs=max(args.batch, 1))
+              max_num_seqs=max(args.batch, 1), async_scheduling=ASYNC[args.async_scheduling])
     device = torch.device(llm.config.device)
     vocab = llm.engine.vocab_size
     bench_engine(llm, random_prompts(4, args.input_len, vocab, seed=999), 8)  # warm-up (and graph replays)
@@ -107,7 +115,11 @@ def offline(args: argparse.Namespace, model_dir: str) -> dict:
               "offline_batch_tok_s": total / batch_s, "offline_batch_ms_per_step": batch_s / args.output_len * 1e3,
               "offline_batch1_ms_per_token": one_s / args.output_len * 1e3,
               "matmul_only_ms_per_step": bench_matmul_only(llm, args.batch, 16) / 16 * 1e3,
-              **profiled_decode(llm, args.batch, args.input_len, steps=16)}
+              **profiled_decode(llm, args.batch, args.input_len, steps=16, top=args.kernels)}
+    if args.kernels:
+        one = profiled_decode(llm, 1, args.input_len, steps=16, top=args.kernels)
+        result["batch1_profile"] = {k: v for k, v in one.items() if k != "kernels"}
+        result["kernels_batch1"] = one["kernels"]
     llm.shutdown()
     if not args.skip_transformers:
         hf = load_transformers(model_dir, getattr(torch, args.dtype), device)
@@ -118,7 +130,7 @@ def offline(args: argparse.Namespace, model_dir: str) -> dict:
 
 
 def served(args: argparse.Namespace, model_dir: str) -> dict:
-    extra = "--enforce-eager" if args.enforce_eager else ""
+    extra = ("--enforce-eager " if args.enforce_eager else "") + f"--async-scheduling {args.async_scheduling}"
     spec = redserve_spec(args.redserve_cmd, model_dir, args.dtype, free_port(), SERVED_NAME,
                          args.input_len + args.output_len + 64, extra)
     out = {}
@@ -130,6 +142,7 @@ def served(args: argparse.Namespace, model_dir: str) -> dict:
                                         input_len=args.input_len, output_len=args.output_len, concurrency=c,
                                         seed=1000 + c))
             out[c] = {k: report[k] for k in ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p50", "failed")}
+            print(f"[bench] served c={c}: {out[c]}", flush=True)
     return out
 
 
@@ -158,7 +171,8 @@ def table(args: argparse.Namespace, result: dict) -> str:
                      f"TPOT floor {floor_ms:.2f} ms" if c == 1 else ""))
     lines = [f"device {result['device']}, dtype {args.dtype}, {result['weight_bytes'] / 1e9:.2f} GB of weights, "
              f"{args.input_len} in / {args.output_len} out, CUDA graphs "
-             f"{'on' if result['device'].startswith('cuda') and not args.enforce_eager else 'off'}", "",
+             f"{'on' if result['device'].startswith('cuda') and not args.enforce_eager else 'off'}, "
+             f"async scheduling {args.async_scheduling}", "",
              "| case | measured | target | floor / beside it |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines)
@@ -177,16 +191,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", choices=list(ASYNC), default="auto",
+                        help="overlap each step's scheduling with the last one's device work (auto: on for CUDA)")
     parser.add_argument("--redserve-cmd", default=f"{sys.executable} -m redserve.cli")
     parser.add_argument("--log-dir", default="/tmp/bench-gpu-logs")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also print the profiler's top N ops by device time in steady decode (batch and 1)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     model_dir = args.model or one_b_model()
+    served_result: dict = {}
+    if not args.skip_served:  # first, while this process holds no device memory (the server sizes its KV cache
+        try:                  # from what is free)
+            served_result = served(args, model_dir)
+        except RuntimeError as exc:  # the offline rows still count
+            print(f"[bench] served rows skipped: {exc}", flush=True)
     result = offline(args, model_dir)
-    if not args.skip_served:
-        result["served"] = served(args, model_dir)
+    result["served"] = served_result
     print(table(args, result), flush=True)
+    for key in ("kernels", "kernels_batch1"):
+        if key in result:
+            print(f"\n{key} (steady decode, {args.batch if key == 'kernels' else 1} sequences, 16 steps):\n"
+                  f"{result[key]}", flush=True)
+    if "batch1_profile" in result:
+        print("batch 1 steady decode:", {k: round(v, 3) for k, v in result["batch1_profile"].items() if v is not None})
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

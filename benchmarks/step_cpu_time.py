@@ -55,13 +55,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: the engine's own choice)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import engine
     from engine import LLM
     from engine.tiny_model import ensure_default_model
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches))
+    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches),
+              **({"device": args.device} if args.device else {}))
     try:
         print(f"engine from {engine.__file__}, model={llm.config.model} dtype={args.dtype}")
         for batch in batches:
