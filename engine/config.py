@@ -49,6 +49,9 @@ class EngineConfig:
     remote_stages: int = 0  # the last pipeline stages, taken by worker hosts (`redserve worker`)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs: every step runs eagerly (CPU always does)
+    # Overlapped steps (``engine.scheduler``): None = on where it pays, a CUDA engine that runs its model in its
+    # own process (TP = PP = 1); True forces it (on a CPU it overlaps nothing but runs the same code: the tests).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self.model = resolve_model_dir(self.model)  # a GGUF file: its converted HF directory (cached)
@@ -76,12 +79,22 @@ class EngineConfig:
         if not 0 <= self.remote_stages < self.pipeline_parallel_size:
             raise ValueError(f"remote_stages must be in [0, pipeline_parallel_size - 1 = "
                              f"{self.pipeline_parallel_size - 1}] (stage 0 runs on the engine's host)")
+        if self.async_scheduling and self.world_size > 1:
+            raise ValueError("async_scheduling runs the model in the engine's own process: it needs "
+                             "tensor_parallel_size = pipeline_parallel_size = 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kv_cache_memory is None and self.device == "cpu":
             self.kv_cache_memory = int(os.environ.get("REDSERVE_CPU_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES))
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Whether steps overlap: the next one is scheduled and launched before the last one's tokens are back."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.world_size == 1
 
     @property
     def world_size(self) -> int:

@@ -5,11 +5,13 @@ schedule -> execute -> update cycle and returns one ``RequestOutput`` (the broke
 engine process sends it as is) per sequence that produced a token or finished. A request with n > 1 runs as n child sequences; the first computes the prompt
 and the others start once its full blocks are in the prefix cache, so they share them.
 
-Batch queue (pipeline parallelism): the executor may take up to ``max_in_flight`` steps at once (one per
-pipeline stage). While there is room, ``step()`` schedules a new batch from the requests not already in
-flight and submits it, returning nothing yet; once the queue is full (or nothing new can be scheduled) it
-waits for the oldest batch and applies its output. With one stage this is exactly schedule -> execute ->
-update.
+Batch queue (pipeline parallelism, async scheduling): the executor may take up to ``max_in_flight`` steps
+at once (one per pipeline stage; two under async scheduling). While there is room, ``step()`` schedules a
+new batch and submits it, returning nothing yet; once the queue is full (or nothing new can be scheduled)
+it waits for the oldest batch and applies its output. The new batch holds the requests not already in
+flight, and under async scheduling also those that run ahead (``engine.scheduler``), so the device runs
+step N + 1 while the host applies step N's output. With one stage and no async scheduling this is
+exactly schedule -> execute -> update.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ class EngineCore:
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill, self.executor.max_in_flight),
+                            config.enable_chunked_prefill,
+                            1 if self.executor.overlaps_steps else self.executor.max_in_flight,
+                            async_scheduling=self.executor.overlaps_steps),
             self.block_manager, self.executor.eos_token_ids)
         self.children: dict[str, list[str]] = {}
         self.held_siblings: dict[str, list[Request]] = {}
@@ -69,6 +73,8 @@ class EngineCore:
         self.prompt_tokens = 0
         self.metrics = StepMetrics()
         self.structured = StructuredOutputs(config.model, self.vocab_size, list(self.executor.eos_token_ids))
+        logger.info("async scheduling %s", "on: the next step is launched before the last one's tokens are back"
+                    if self.executor.overlaps_steps else "off: one step at a time")
 
     def _usable_model_len(self, model_len: int) -> int:
         """The longest sequence this engine can always finish: one that fits the whole KV pool and,

@@ -61,6 +61,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.grammar = None  # llguidance LLMatcher of a structured-output sequence (engine.structured_output)
+        self.num_in_flight_steps = 0  # submitted steps that hold this request and whose output is not back yet
+        self.num_in_flight_tokens = 0  # the tokens those steps compute
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,16 @@ until ``update_from_output`` of that step; ``schedule`` skips it (its next token
 never picks it as a preemption victim (its blocks are being written). With P > 1 batches in flight a batch
 takes at most ceil(min(running + waiting, max_num_seqs) / P) requests, so the requests split into P
 batches that take turns through the pipeline instead of one batch that leaves the other stages idle.
+
+Async scheduling (``async_scheduling``: the engine schedules and launches step N + 1 while step N runs on the
+device): a request whose one in-flight step samples its next token runs ahead, into the next step, with
+that token as a placeholder (one new token at the position after its known ones; the model runner feeds
+it on the device from step N's sampled tokens). It does not run ahead, and waits for its step like any
+in-flight request, when that step's token is its last by length (max_tokens, the model's context) or when
+its next step depends on the token on the host: a structured-output grammar, or penalties over the
+generated tokens. A stop token found in step N's output finishes the request then; the token its step
+N + 1 sampled is dropped (step N + 1 computed the stop token's KV into the request's own blocks, which
+are freed after step N + 1 was launched, so any later writer runs after it on the device).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     max_batches_in_flight: int = 1  # the pipeline's stages: each batch takes about 1/P of the requests
+    async_scheduling: bool = False  # requests run ahead into the next step (module docstring)
 
 
 @dataclass
@@ -98,12 +109,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < max_seqs:
             request = self.running[i]
-            if request.request_id in self._in_flight:
+            ahead = request.num_in_flight_steps > 0
+            if ahead and not self._runs_ahead(request):
                 i += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, num_new):
-                victim = self._preemption_victim()
+            # Tokens past what is computed or being computed; running ahead, the one its step is sampling.
+            num_new = min(request.num_tokens + ahead - request.num_computed_tokens - request.num_in_flight_tokens,
+                          budget)
+            while not self.block_manager.allocate_slots(request, request.num_in_flight_tokens + num_new):
+                victim = self._preemption_victim(out)
+                if victim is None:  # every other request is in flight or in this step: wait for a step to end
+                    i += 1
+                    break
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -115,9 +132,21 @@ class Scheduler:
                 i += 1
         if not preempted:
             budget = self._admit_waiting(out, budget, max_seqs)
-        for req_id in out.num_scheduled_tokens:
-            self._in_flight[req_id] = self.requests[req_id]
+        for req_id, num_new in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            request.num_in_flight_steps += 1
+            request.num_in_flight_tokens += num_new
+            self._in_flight[req_id] = request
         return out
+
+    def _runs_ahead(self, request: Request) -> bool:
+        """Whether an in-flight request goes into the next step too (see the module docstring)."""
+        params = request.params
+        return (self.config.async_scheduling and request.num_in_flight_steps == 1
+                and request.num_computed_tokens + request.num_in_flight_tokens == request.num_tokens
+                and (params.max_tokens is None or request.num_output_tokens + 1 < params.max_tokens)
+                and request.num_tokens + 1 < self.config.max_model_len
+                and request.grammar is None and not params.needs_penalties)
 
     def _batch_seq_limit(self) -> int:
         """The most requests one batch may take (see the module docstring)."""
@@ -127,9 +156,11 @@ class Scheduler:
         wanted = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
         return max(1, -(-wanted // depth))
 
-    def _preemption_victim(self) -> Request:
-        """The latest-admitted running request not in flight (the one being scheduled is never in flight)."""
-        return next(r for r in reversed(self.running) if r.request_id not in self._in_flight)
+    def _preemption_victim(self, out: SchedulerOutput) -> Request | None:
+        """The latest-admitted running request neither in flight nor already in this step (``out``), or None.
+        Without async scheduling the request being scheduled is always a candidate, so there is one."""
+        return next((r for r in reversed(self.running)
+                     if not r.num_in_flight_steps and r.request_id not in out.num_scheduled_tokens), None)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> int:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
@@ -180,7 +211,7 @@ class Scheduler:
         out.cached_requests.append(CachedRequestData(
             req_id=request.request_id,
             new_block_ids=request.block_ids[start:],
-            num_computed_tokens=request.num_computed_tokens,
+            num_computed_tokens=request.num_computed_tokens + request.num_in_flight_tokens,
             resumed_from_preemption=resumed,
         ))
         request.num_blocks_sent = len(request.block_ids)
@@ -198,7 +229,12 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, apply stop rules, free finished requests."""
         updates = []
         for req_id, num_new in sched.num_scheduled_tokens.items():
-            request = self._in_flight.pop(req_id, None) or self.requests.get(req_id)
+            request = self._in_flight.get(req_id) or self.requests.get(req_id)
+            if request is not None and request.num_in_flight_steps:
+                request.num_in_flight_steps -= 1
+                request.num_in_flight_tokens -= num_new
+                if not request.num_in_flight_steps:
+                    self._in_flight.pop(req_id, None)
             if request is None or request.status.finished:
                 continue
             request.num_computed_tokens += num_new

@@ -37,6 +37,10 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    default=os.environ.get("REDSERVE_ENFORCE_EAGER", "").strip().lower() in ("1", "true", "yes", "on"),
                    help="no CUDA graphs: decode steps run eagerly too (default: captured per batch bucket on CUDA)")
+    g.add_argument("--async-scheduling", choices=["auto", "on", "off"],
+                   default=os.environ.get("REDSERVE_ASYNC_SCHEDULING", "auto"),
+                   help="schedule and launch the next step while the last one runs on the device (auto: on for a "
+                        "CUDA engine with TP = PP = 1)")
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +58,8 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, remote_stages=getattr(args, "remote_stages", 0),
-        seed=args.seed, enforce_eager=args.enforce_eager)
+        seed=args.seed, enforce_eager=args.enforce_eager,
+        async_scheduling={"on": True, "off": False}.get(getattr(args, "async_scheduling", "auto")))
 
 
 def cmd_engine(args: argparse.Namespace) -> int:

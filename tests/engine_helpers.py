@@ -96,7 +96,7 @@ class LogitsRecorder:
         runner = llm.engine.executor.runner
         self.rows: list[tuple[str, list[int], torch.Tensor]] = []
         self._states: list[tuple[str, list[int]]] = []
-        build, sample = runner.input_batch.sampling_batch, runner.sampler
+        build, sample = runner.input_batch.sampling_batch, runner.sampler.sample
 
         def sampling_batch(states):
             self._states = [(s.req_id, list(s.token_ids)) for s in states]
@@ -109,7 +109,7 @@ class LogitsRecorder:
             return sample(logits, batch)
 
         runner.input_batch.sampling_batch = sampling_batch
-        runner.sampler = sampler
+        runner.sampler.sample = sampler
 
 
 class ScheduleRecorder:

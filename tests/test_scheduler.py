@@ -337,6 +337,7 @@ def test_in_flight_requests_are_neither_rescheduled_nor_preempted() -> None:
 
     s, a, b = _preemption_setup()
     s._in_flight["b"] = b  # b's step is running (its blocks are being written): a, short of a block, gives way
+    b.num_in_flight_steps, b.num_in_flight_tokens = 1, 1
     assert s.schedule().is_empty
     assert a.status == RequestStatus.PREEMPTED and b.status == RequestStatus.RUNNING and b.block_ids
 

@@ -3,8 +3,9 @@ inputs copied into static buffers, so a decode step costs a few copies and one g
 hundreds of kernel launches.
 
 ``GraphRunner`` holds the static inputs (token ids, positions, slot mapping, block tables as wide as
-max_model_len needs, query_start_loc, seq_lens) and the static output (the final hidden stream; logits
-and sampling stay eager, so ``logits_indices`` and prompt logprobs work as in an eager step). Its
+max_model_len needs, query_start_loc, seq_lens) and the static outputs: the final hidden stream and, given a
+``logits`` function, every row's float32 logits (a decode-only step samples every row, in row order, so
+the final norm and the LM head run inside the graph too; sampling stays eager). Its
 backend is ``CudaGraph`` (torch.cuda.CUDAGraph) or ``EagerGraph``, a stand-in whose "replay" calls the
 captured function again: the CPU tests run bucketing, padding and the static buffers through the same
 code, everything but the capture itself.
@@ -104,17 +105,20 @@ class CudaGraph:
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Logits = Callable[[torch.Tensor], torch.Tensor]
 
 
 class GraphRunner:
     """The static buffers and one graph per bucket (see the module rules). ``forward(input_ids, positions,
     meta)`` is the model's forward pass over this rank's KV cache, returning the hidden stream [T, hidden];
-    ``num_splits(size)`` the split-KV count the bucket's graph uses."""
+    ``num_splits(size)`` the split-KV count the bucket's graph uses; ``logits(hidden)`` (optional, with
+    ``vocab_size``) the float32 logits of hidden rows, captured too (``logits``, valid as ``hidden``)."""
 
     def __init__(self, forward: Forward, *, sizes: list[int], max_blocks: int, block_size: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, max_seq_len: int, num_splits: Callable[[int], int],
-                 backend: type = CudaGraph):
+                 backend: type = CudaGraph, logits: Logits | None = None, vocab_size: int = 0):
         self.forward = forward
+        self.logits_fn = logits
         self.sizes = sorted(sizes)
         self.block_size = block_size
         self.max_seq_len = max_seq_len
@@ -130,6 +134,7 @@ class GraphRunner:
             self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one query per row
             self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
             self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+            self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device) if logits else None
         self.graphs: dict[int, CudaGraph | EagerGraph] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self._real_rows = 0  # rows [0, _real_rows) may hold an earlier step's data; the rest are padding
@@ -159,6 +164,8 @@ class GraphRunner:
         """What a graph holds: the forward pass over the first ``size`` static rows, into ``hidden``."""
         hidden = self.forward(self.input_ids[:size], self.positions[:size], self.metas[size])
         self.hidden[:size].copy_(hidden)
+        if self.logits_fn is not None:
+            self.logits[:size].copy_(self.logits_fn(hidden))
 
     def _pad(self, rows: int) -> None:
         """Rows from ``rows`` on become padding (slot -1, one key)."""
@@ -193,7 +200,8 @@ class GraphRunner:
                         self.max_size, self.backend.__name__, time.perf_counter() - started)
 
     def run(self, inputs) -> torch.Tensor:
-        """The step's hidden stream [n, hidden] (a view of the static output, valid until the next run)."""
+        """The step's hidden stream [n, hidden] (a view of the static output, valid until the next run); its
+        logits, when captured, are ``logits[:n]``."""
         batch = inputs.meta.unified
         rows = batch.num_seqs
         size = self.bucket(rows)

@@ -6,7 +6,9 @@ processes over shared memory; both expose the same methods.
 
 Steps run either at once (``execute_model``) or as ``submit_step`` now, ``collect_step`` later, in order:
 the engine keeps up to ``max_in_flight`` steps submitted (the number of pipeline stages) so every stage
-has work.
+has work. With async scheduling (``overlaps_steps``, the in-process executor only) that is two: the runner
+launches a step on the device and returns (``ModelRunner.submit_step``), and the engine schedules and
+launches the next one before it waits for the first one's tokens (``ModelRunner.collect_step``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, PendingStep
 from worker.parallel_state import init_tensor_parallel
 
 
@@ -28,6 +30,7 @@ class Executor(Protocol):
     eos_token_ids: list[int]
     vocab_size: int
     max_in_flight: int
+    overlaps_steps: bool  # async scheduling: requests run ahead into the next step (engine.scheduler)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -41,26 +44,26 @@ class Executor(Protocol):
 
 
 class UniprocExecutor:
-    max_in_flight = 1
-
     def __init__(self, config: EngineConfig):
         init_tensor_parallel(0, 1, "", torch.device(config.device))
+        self.overlaps_steps = config.use_async_scheduling
+        self.max_in_flight = 2 if self.overlaps_steps else 1
         self.runner = ModelRunner(config)
         self.num_kv_blocks = self.runner.determine_num_kv_blocks()
         self.runner.init_kv_cache(self.num_kv_blocks)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = self.runner.eos_token_ids
         self.vocab_size = self.runner.hf_config.vocab_size
-        self._done: deque[ModelRunnerOutput] = deque()
+        self._submitted: deque[PendingStep] = deque()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
 
     def submit_step(self, sched: SchedulerOutput) -> None:
-        self._done.append(self.runner.execute_model(sched))
+        self._submitted.append(self.runner.submit_step(sched))
 
     def collect_step(self) -> ModelRunnerOutput:
-        return self._done.popleft()
+        return self.runner.collect_step(self._submitted.popleft())
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
         return [getattr(self.runner, method)(*args)]

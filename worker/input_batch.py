@@ -16,7 +16,20 @@ from broker.sampling_params import SamplingParams
 from engine.step_types import SchedulerOutput
 from worker.layers import attention
 from worker.layers.attention import AttentionMetadata, PagedBatch, PrefillChunk, paged_attention_kernel
-from worker.sampler import SamplingBatch
+from worker.sampler import SampledBatch, SamplingBatch
+from worker.transfer import to_device
+
+PLACEHOLDER_TOKEN = -1  # a sampled token not read back yet (async scheduling); never reaches the model
+
+
+@dataclass
+class PendingToken:
+    """A request's token sampled by a step whose output is not back: where it will go in ``token_ids`` and
+    where it is on the device (row ``row`` of ``samples.token_ids``)."""
+
+    position: int
+    samples: SampledBatch
+    row: int
 
 
 @dataclass
@@ -30,6 +43,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     prompt_logprobs: list[list] | None = None  # accumulated over prefill chunks when asked
     prompt_logprobs_sent: bool = False
+    pending: PendingToken | None = None  # its last token, while the step that sampled it is in flight
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -53,6 +67,7 @@ class StepInputs:
     logits_indices: torch.Tensor
     sampled_states: list[CachedRequestState]
     prompt_rows: list[PromptLogprobRows]
+    placeholders: list[tuple[int, PendingToken]] = field(default_factory=list)  # (row of input_ids, its token)
 
 
 class HostBuffer:
@@ -140,6 +155,7 @@ class InputBatch:
         logits_indices: list[int] = []
         sampled: list[CachedRequestState] = []
         prompt_rows: list[PromptLogprobRows] = []
+        placeholders: list[tuple[int, PendingToken]] = []
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[int, int, int, list[int]]] = []
         paged: list[tuple[int, int, int, list[int]]] = []
@@ -149,6 +165,8 @@ class InputBatch:
             c, end = state.num_computed_tokens, start + n
             blocks = state.block_ids[:-(-(c + n) // bs)]
             input_ids[start:end] = state.token_ids[c:c + n]
+            if state.pending is not None and c <= state.pending.position < end - start + c:
+                placeholders.append((start + state.pending.position - c, state.pending))
             positions[start:end] = arange[c:c + n]
             if n == 1:
                 slots[start] = blocks[c // bs] * bs + c % bs
@@ -178,7 +196,7 @@ class InputBatch:
             self._add_decodes(meta, [t for t, _ in decodes], [length for _, length in decodes])
         meta.prefills = [self._prefill_chunk(*spec) for spec in prefills]
         return StepInputs(self._device(input_ids), self._device(positions), meta,
-                          self._tensor(logits_indices), sampled, prompt_rows)
+                          self._tensor(logits_indices), sampled, prompt_rows, placeholders)
 
     @staticmethod
     def _prompt_rows(state: CachedRequestState, start: int, computed: int, n: int) -> PromptLogprobRows:
@@ -189,7 +207,7 @@ class InputBatch:
                                  [state.prompt_token_ids[p + 1] for p in positions])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+        return to_device(values, torch.long, self.device)
 
     def _arange(self, length: int) -> np.ndarray:
         if len(self._positions) < length:
@@ -197,10 +215,9 @@ class InputBatch:
         return self._positions
 
     def _device(self, array: np.ndarray) -> torch.Tensor:
-        """A view of a run-long host buffer on CPU; elsewhere a copy (blocking, so the buffer may be
-        refilled next step)."""
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+        """A view of a run-long host buffer on CPU; elsewhere a copy that does not wait for the device (it
+        goes through pinned memory of its own, so the buffer may be refilled next step)."""
+        return to_device(array, None, self.device)
 
     def _paged_batch(self, specs: list[tuple[int, int, int, list[int]]]) -> PagedBatch:
         buf, count = self.buffers, len(specs)

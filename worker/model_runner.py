@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,16 +23,27 @@ from engine.config import EngineConfig
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
 from worker.cuda_graphs import CudaGraph, GraphRunner, capture_sizes, graphs_off_reason
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
-from worker.input_batch import InputBatch, PromptLogprobRows
+from worker.input_batch import PLACEHOLDER_TOKEN, InputBatch, PendingToken, PromptLogprobRows
 from worker.kernels import available_extensions, load_extension
 from worker.layers import attention
 from worker.model_loader import ModelLoadError, build_model, eos_token_ids, load_config
 from worker.parallel_state import pp_group, tp_group
 from worker.pipeline import StageLink
-from worker.sampler import Sampler, prompt_logprob_entries
+from worker.sampler import SampledBatch, Sampler, prompt_logprob_entries
+from worker.transfer import to_device
 
 logger = logging.getLogger(__name__)
 _PROMPT_LOGPROB_ROWS = 512
+
+
+@dataclass
+class PendingStep:
+    """A submitted step whose tokens are not read back: the sampled requests, where each one's placeholder
+    sits in its ``token_ids``, and the samples on their way to the host (None: the step samples nothing)."""
+
+    states: list = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    samples: SampledBatch | None = None
 
 
 class ModelRunner:
@@ -149,7 +161,7 @@ class ModelRunner:
             max_blocks=-(-longest // self.config.block_size), block_size=self.config.block_size,
             hidden_size=self.hf_config.hidden_size, dtype=self.dtype, device=self.device, max_seq_len=longest,
             num_splits=lambda size: kernels.choose_num_splits(size * kv_heads, longest, self.device),
-            backend=backend)
+            backend=backend, logits=self.model.compute_logits, vocab_size=self.hf_config.vocab_size)
         runner.capture()
         self.graph_runner = runner
         return runner
@@ -161,36 +173,74 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput,
                       new_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
-        """One step. ``new_token_ids``: tokens sampled (by the last pipeline stage) for requests of this
-        step since this stage last saw them; the last stage sampled them itself and ignores them."""
+        """One step, start to end. ``new_token_ids``: tokens sampled (by the last pipeline stage) for requests
+        of this step since this stage last saw them; the last stage sampled them itself and ignores them."""
+        return self.collect_step(self.submit_step(sched, new_token_ids))
+
+    @torch.inference_mode()
+    def submit_step(self, sched: SchedulerOutput,
+                    new_token_ids: dict[str, list[int]] | None = None) -> PendingStep:
+        """Launch one step: inputs up, forward, sampling, and the copy of the tokens down, without waiting for
+        the device. Each sampled request gets a placeholder token until ``collect_step``; a request that runs
+        ahead into the next step (async scheduling) gets that token fed on the device
+        (``_feed_placeholders``)."""
         self.input_batch.update(sched)
         if new_token_ids and not pp_group().is_last:
             for req_id, tokens in new_token_ids.items():
                 self.input_batch.requests[req_id].token_ids.extend(tokens)
         if sched.is_empty:
-            return ModelRunnerOutput()
+            return PendingStep()
         inputs = self.input_batch.prepare(sched)
+        self._feed_placeholders(inputs)
+        graphed = self.link is None and self.graph_runner is not None and self.graph_runner.can_run(inputs)
         hidden = self._forward(inputs)
         if hidden is None:
-            return ModelRunnerOutput()
+            return PendingStep()
         for rows in inputs.prompt_rows:
             self._accumulate_prompt_logprobs(hidden, rows)
         if not inputs.sampled_states:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            return PendingStep()
+        if graphed and self.graph_runner.logits is not None:  # decode-only: every row samples, in order
+            logits = self.graph_runner.logits[:len(inputs.sampled_states)]
+        else:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         batch = self.input_batch.sampling_batch(inputs.sampled_states)
         if sched.grammar_bitmasks:
             batch.grammar_bitmasks = [sched.grammar_bitmasks.get(s.req_id) for s in inputs.sampled_states]
-        tokens = self.sampler(logits, batch)
-        for state, token in zip(inputs.sampled_states, tokens, strict=True):
-            state.token_ids.append(token.token_id)
+        samples = self.sampler.sample(logits, batch)
+        samples.start_copy()
+        step = PendingStep(inputs.sampled_states, [len(s.token_ids) for s in inputs.sampled_states], samples)
+        for row, state in enumerate(inputs.sampled_states):
+            state.pending = PendingToken(len(state.token_ids), samples, row)
+            state.token_ids.append(PLACEHOLDER_TOKEN)
+        return step
+
+    def collect_step(self, step: PendingStep) -> ModelRunnerOutput:
+        """Wait for a submitted step's tokens and put them in place of its placeholders."""
+        if step.samples is None:
+            return ModelRunnerOutput()
+        tokens = step.samples.tokens()
+        for state, position, token in zip(step.states, step.positions, tokens, strict=True):
+            state.token_ids[position] = token.token_id
+            if state.pending is not None and state.pending.position == position:
+                state.pending = None
             if state.wants_prompt_logprobs:
                 token.prompt_logprobs = state.prompt_logprobs or []
                 state.prompt_logprobs, state.prompt_logprobs_sent = None, True
-        return ModelRunnerOutput({s.req_id: t for s, t in zip(inputs.sampled_states, tokens, strict=True)})
+        return ModelRunnerOutput({s.req_id: t for s, t in zip(step.states, tokens, strict=True)})
+
+    def _feed_placeholders(self, inputs) -> None:
+        """Rows whose input token is still a placeholder take it from the device tensor it was sampled into."""
+        by_samples: dict[int, tuple[SampledBatch, list[int], list[int]]] = {}
+        for row, pending in inputs.placeholders:
+            _, rows, sources = by_samples.setdefault(id(pending.samples), (pending.samples, [], []))
+            rows.append(row)
+            sources.append(pending.row)
+        for samples, rows, sources in by_samples.values():
+            index = to_device(sources, torch.long, self.device)
+            inputs.input_ids[to_device(rows, torch.long, self.device)] = samples.token_ids[index]
 
     def _forward(self, inputs) -> torch.Tensor | None:
         """This stage's layers; the final hidden stream on the last stage, None on the others (their

@@ -73,6 +73,7 @@ class MultiprocExecutor:
         self.world_size = config.world_size
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.max_in_flight = config.pipeline_parallel_size
+        self.overlaps_steps = False  # async scheduling needs the model in the engine's process (EngineConfig)
         self._in_flight = 0
         self._unsent_tokens: dict[str, list[int]] | None = {} if config.pipeline_parallel_size > 1 else None
         self.failure: str | None = None

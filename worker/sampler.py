@@ -16,6 +16,7 @@ import torch
 
 from engine.step_types import SampledToken
 from worker.layers.fused_ops import fused_ops_for
+from worker.transfer import HostCopy, to_device
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -57,12 +58,41 @@ class SamplingBatch:
                 or any(self.frequency_penalty))
 
 
+class SampledBatch:
+    """A step's samples, still on the device: the token ids [rows] and, when a row asked for logprobs, the
+    sampled tokens' logprobs and ranks [rows] and the top-N ids and logprobs [rows, widest N].
+    ``start_copy`` queues their copy to the host without waiting; ``tokens`` waits for it and returns one
+    ``SampledToken`` per row."""
+
+    def __init__(self, token_ids: torch.Tensor, num_logprobs: list[int | None],
+                 logprob_tensors: list[torch.Tensor] | None = None):
+        self.token_ids = token_ids
+        self.num_logprobs = num_logprobs
+        self.logprob_tensors = logprob_tensors or []
+        self._copy: HostCopy | None = None
+
+    def start_copy(self) -> None:
+        if self._copy is None:
+            self._copy = HostCopy([self.token_ids, *self.logprob_tensors])
+
+    def tokens(self) -> list[SampledToken]:
+        self.start_copy()
+        token_ids, *logprobs = self._copy.wait()
+        token_list = token_ids.tolist()
+        if not logprobs:
+            return [SampledToken(t) for t in token_list]
+        entries = logprob_entries(*logprobs, self.num_logprobs)
+        return [SampledToken(t, entry) for t, entry in zip(token_list, entries, strict=True)]
+
+
 class Sampler:
     """Rules:
     - Whole-batch tensor ops throughout; the only per-row Python loop left draws the exponential noise of
       the seeded rows, one call each on that row's own generator (unseeded sampled rows share one draw
       from ``default_generator``; greedy rows draw nothing).
     - A seeded row's token depends only on its logits, parameters and generator, never on the batch.
+    - ``sample`` reads nothing back from the device (its parameters go up through ``worker.transfer``),
+      except for penalties and grammar masks, whose rows never run ahead (``engine.scheduler``).
     """
 
     def __init__(self, device: torch.device):
@@ -70,6 +100,10 @@ class Sampler:
         self.default_generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
+        return self.sample(logits, batch).tokens()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledBatch:
+        """The step's tokens (and logprobs), left on the device."""
         logits = logits.float()
         if any(m is not None for m in batch.grammar_bitmasks):
             logits = apply_grammar_bitmasks(logits, batch.grammar_bitmasks)
@@ -84,21 +118,19 @@ class Sampler:
             tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, batch)
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return [SampledToken(t) for t in token_list]
-        entries = sampled_logprobs(raw_logprobs, tokens, batch.num_logprobs)
-        return [SampledToken(t, entry) for t, entry in zip(token_list, entries, strict=True)]
+            return SampledBatch(tokens, batch.num_logprobs)
+        return SampledBatch(tokens, batch.num_logprobs, logprob_tensors(raw_logprobs, tokens, batch.num_logprobs))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor(batch.temperature, device=device)
+        temperature = to_device(batch.temperature, torch.float32, device)
         greedy = temperature < 1e-5
         greedy_tokens = argmax_rows(logits)
         logits = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
         if any(batch.min_p):
             probs = torch.softmax(logits, dim=-1)
-            min_p = torch.tensor(batch.min_p, device=device).unsqueeze(1)
+            min_p = to_device(batch.min_p, torch.float32, device).unsqueeze(1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         widest_k = _widest_top_k(batch, logits.shape[1])
@@ -134,7 +166,7 @@ class Sampler:
         unseeded = [row for row, gen in enumerate(generators) if gen is None and sampled[row]]
         if unseeded:
             noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-            q[torch.tensor(unseeded, device=probs.device)] = noise.exponential_(generator=self.default_generator)
+            q[to_device(unseeded, torch.long, probs.device)] = noise.exponential_(generator=self.default_generator)
         for row in seeded:
             q[row].exponential_(generator=generators[row])
         return q
@@ -147,7 +179,7 @@ def _flat_rows(lists: list[list[int]], vocab: int, device: torch.device) -> torc
     ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long)
     rows = torch.repeat_interleave(torch.arange(len(lists), dtype=torch.long), lengths)
     inside = (ids >= 0) & (ids < vocab)
-    return (rows[inside] * vocab + ids[inside]).to(device)
+    return to_device(rows[inside] * vocab + ids[inside], torch.long, device)
 
 
 def apply_token_masks(logits: torch.Tensor, token_masks: list[list[int]]) -> torch.Tensor:
@@ -207,7 +239,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         return logits
     if len(filtered) == logits.shape[0]:
         return _top_k_top_p_rows(logits, top_k, top_p)
-    index = torch.tensor(filtered, device=logits.device)
+    index = to_device(filtered, torch.long, logits.device)
     logits = logits.clone()
     logits[index] = _top_k_top_p_rows(logits[index], [top_k[r] for r in filtered], [top_p[r] for r in filtered])
     return logits
@@ -224,9 +256,9 @@ def _top_k_top_p_sorted(sorted_logits: torch.Tensor, ks: list[int], top_p: list[
     """Rows sorted in descending order: -inf from position k on, then past the smallest prefix whose
     probability (after top-k) reaches p; the first position always stays."""
     positions = torch.arange(sorted_logits.shape[1], device=sorted_logits.device).unsqueeze(0)
-    remove = positions >= torch.tensor(ks, device=sorted_logits.device).unsqueeze(1)
+    remove = positions >= to_device(ks, torch.long, sorted_logits.device).unsqueeze(1)
     if any(p < 1.0 for p in top_p):
-        ps = torch.tensor(top_p, device=sorted_logits.device).unsqueeze(1)
+        ps = to_device(top_p, torch.float32, sorted_logits.device).unsqueeze(1)
         probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         cumulative = probs.cumsum(dim=-1) - probs
         remove |= cumulative > ps
@@ -257,17 +289,22 @@ def prompt_logprob_entries(logits: torch.Tensor, next_token_ids: list[int], top_
                                                                    strict=True)]
 
 
-def sampled_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:
-    """Per row: None when it asked for no logprobs, else ``[logprob, rank, top_ids, top_logprobs]`` of
-    its sampled token over the raw distribution (rank 1 = most likely), with its top-N."""
+def logprob_tensors(raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:
+    """On the device: the sampled tokens' raw logprobs and ranks (rank 1 = most likely) [rows], and the top-N
+    ids and logprobs [rows, widest N asked] (N may be 0)."""
     chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))
-    ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
-    chosen_list = chosen.squeeze(1).tolist()
+    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
     widest = max((n for n in num_logprobs if n), default=0)
-    top_ids = top_values = None
-    if widest:
-        values, ids = raw_logprobs.topk(widest, dim=-1)
-        top_ids, top_values = ids.tolist(), values.tolist()
-    return [None if n is None else [chosen_list[row], ranks[row], top_ids[row][:n] if n else [],
-                                    top_values[row][:n] if n else []]
+    values, ids = raw_logprobs.topk(widest, dim=-1)
+    return [chosen.squeeze(1), ranks, ids, values]
+
+
+def logprob_entries(chosen: torch.Tensor, ranks: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor,
+                    num_logprobs: list[int | None]) -> list:
+    """Per row (host tensors of ``logprob_tensors``): None when it asked for no logprobs, else
+    ``[logprob, rank, top_ids, top_logprobs]`` of its sampled token, with its top-N."""
+    chosen_list, rank_list = chosen.tolist(), ranks.tolist()
+    id_rows, value_rows = top_ids.tolist(), top_values.tolist()
+    return [None if n is None else [chosen_list[row], rank_list[row], id_rows[row][:n] if n else [],
+                                    value_rows[row][:n] if n else []]
             for row, n in enumerate(num_logprobs)]
