@@ -16,6 +16,11 @@ Rules:
   Both abort everything; the metrics' failure label is the `ErrorCode` (client_disconnected for the latter).
 - `close()` aborts whatever still runs and records the request's metrics; call it in a `finally`
   (or use `with`). completion_tokens counts the tokens consumed, up to a stop string's last token.
+- cached_tokens counts the prompt tokens the engine read from its prefix cache instead of computing them
+  (`RequestOutput.num_cached_tokens`), each prompt once as prompt_tokens does: with n > 1 the lowest count
+  of its sequences (the first one computes the prompt, the others are admitted onto its cached blocks). A
+  sequence's count is the one on its first output (a resumed sequence's engine counts from a prompt that
+  holds the tokens already delivered).
 - A request whose engine dies is resumed on another one by the broker client (`broker.client.migration`)
   behind the same handle: its outputs just go on (no token twice, same index), so the detokenizer, the stop
   strings and the counts here carry on across the move with nothing to do.
@@ -91,6 +96,7 @@ class _Sequence:
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.show_stop_token = params.include_stop_str_in_output
         self.num_tokens = 0
+        self.num_cached_tokens: int | None = None  # from the first engine output
         self.finish_reason: str | None = None
         self.engine_done = False
         self.abort_sent = False
@@ -100,6 +106,8 @@ class _Sequence:
         return self.finish_reason is not None
 
     def apply(self, out: RequestOutput) -> ChoiceOutput | None:
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = out.num_cached_tokens
         delta = ChoiceOutput(self.index, logprobs=[] if out.logprobs else None, prompt_logprobs=out.prompt_logprobs)
         tokens = out.new_token_ids
         hide_stop_token = out.finish_reason is FinishReason.STOP and not self.show_stop_token
@@ -165,6 +173,15 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(s.num_tokens for seqs in self._seqs for s in seqs)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens read from the engines' prefix cache, each prompt counted once (see the rules)."""
+        total = 0
+        for ids, seqs in zip(self.prompts, self._seqs, strict=True):
+            counts = [s.num_cached_tokens for s in seqs if s.num_cached_tokens is not None]
+            total += min(max(min(counts), 0), len(ids)) if counts else 0
+        return total
 
     def start(self) -> Generation:
         """Submit every prompt (broker errors propagate; what was submitted is aborted)."""

@@ -13,8 +13,9 @@ Rules:
   an empty message when there is neither.
 - `status` "completed", or "incomplete" with ``incomplete_details: {"reason": "max_output_tokens"}`` when
   max_output_tokens (or the context) cut the output; the item that was cut is "incomplete" too.
-- `usage`: input_tokens, output_tokens, total_tokens; cached_tokens, cache_write_tokens and
-  reasoning_tokens are 0 (the API does not count cached prompt tokens yet; no reasoning models).
+- `usage`: input_tokens, output_tokens, total_tokens; input_tokens_details.cached_tokens the prompt tokens
+  the engine read from its prefix cache (`api.serving.usage`); cache_write_tokens and reasoning_tokens are
+  0 (not counted; no reasoning models).
 - Streaming: named events (`api.answer`), numbered by `sequence_number` from 0: response.created and
   response.in_progress (the response so far), then per output item response.output_item.added, for a
   message response.content_part.added, response.output_text.delta as text comes,
@@ -118,7 +119,8 @@ class _ResponseView:
     def _usage(self) -> dict[str, Any]:
         counts = usage(self.run)
         return {"input_tokens": counts["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": 0},
                 "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": counts["total_tokens"]}
 

@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
 
 from api.answer import Chunk
 from api.errors import ApiError, bad_request, engine_error, unavailable
@@ -231,6 +232,10 @@ def chunk_stream(run: Run, head: Iterable[Chunk], deltas: Iterable[ChoiceOutput]
         run.close()
 
 
-def usage(run: Run) -> dict[str, int]:
-    prompt, completion = run.generation.prompt_tokens, run.generation.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(run: Run) -> dict[str, Any]:
+    """OpenAI's usage object of a run (chat and completions; /v1/responses renames it). `prompt_tokens_details`
+    is always there, as OpenAI sends it: `cached_tokens` are the prompt tokens served from the prefix cache."""
+    generation = run.generation
+    prompt, completion = generation.prompt_tokens, generation.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}

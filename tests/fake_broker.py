@@ -91,8 +91,9 @@ class FakeClient:
         pass
 
 
-def token_script(tokens: list[int], finish: str = "length", logprobs: bool = False) -> Script:
-    """Each sequence emits `tokens` (up to max_tokens), one per output, sequences interleaved."""
+def token_script(tokens: list[int], finish: str = "length", logprobs: bool = False, cached: int = 0) -> Script:
+    """Each sequence emits `tokens` (up to max_tokens), one per output, sequences interleaved; every output
+    says `cached` prompt tokens came from the prefix cache."""
 
     def script(add: AddRequest) -> list[RequestOutput | None]:
         n, limit = add.params["n"], add.params["max_tokens"]
@@ -103,7 +104,8 @@ def token_script(tokens: list[int], finish: str = "length", logprobs: bool = Fal
                 last = k == len(mine) - 1
                 entry = [[-0.5, 1, [token, 5], [-0.5, -1.5]]] if logprobs else None
                 outs.append(RequestOutput(add.request_id, i, [token], finish if last else None,
-                                          num_prompt_tokens=len(add.prompt_token_ids), logprobs=entry))
+                                          num_prompt_tokens=len(add.prompt_token_ids), num_cached_tokens=cached,
+                                          logprobs=entry))
         return outs
 
     return script

@@ -121,6 +121,40 @@ def test_generation_several_prompts(tokenizer, text_tokens) -> None:
     assert gen.prompt_tokens == 5 and gen.completion_tokens == 16
 
 
+def test_generation_counts_each_prompts_cached_tokens_once(tokenizer, text_tokens) -> None:
+    """Per prompt, the lowest count of its sequences (the one that computed the prompt; the others ran on its
+    cached blocks), each sequence's count taken from its first output (a resumed sequence's engine counts
+    from a longer prompt), never more than the prompt."""
+    counts = {"req-0": ([0, 32, 32], 64), "req-1": ([48, 16, 48], 20), "req-2": ([], 0)}
+
+    def script(add: AddRequest) -> list[RequestOutput | None]:
+        firsts, later = counts[add.request_id]
+        outs: list[RequestOutput | None] = []
+        for k, token in enumerate(text_tokens[:3]):
+            for i in range(3):
+                outs.append(RequestOutput(add.request_id, i, [token], "length" if k == 2 else None,
+                                          num_cached_tokens=firsts[i] if k == 0 and firsts else later))
+        return outs
+
+    gen, texts, _ = run_generation(FakeClient(script), tokenizer, SamplingParams(max_tokens=3, n=3),
+                                   prompts=[list(range(40)), list(range(12)), list(range(30))])
+    assert len(texts) == 9 and gen.prompt_tokens == 82
+    assert gen.cached_tokens == 0 + 12 + 0  # the second prompt's 16 is more than its 12 tokens
+
+
+def test_cached_tokens_in_every_usage(tiny_llama_dir, tokenizer, text_tokens) -> None:
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(text_tokens, cached=2)))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for path, body in (("/v1/completions", {"prompt": ["one two three", "four five six"], "n": 2, "max_tokens": 3}),
+                       ("/v1/chat/completions", chat)):
+        answer = http.post(path, json=body).get_json()
+        assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 2 * len(body.get("prompt", [0]))}
+        events = sse_events(http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}}))
+        assert events[-2]["usage"] == answer["usage"]
+    reply = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3}).get_json()
+    assert reply["usage"]["input_tokens_details"] == {"cached_tokens": 2, "cache_write_tokens": 0}
+
+
 class FailureRecorder:
     """Keeps the error code a generation reports to its metrics recorder."""
 
@@ -162,7 +196,8 @@ def test_completion_response_shape(tiny_llama_dir, tokenizer, text_tokens) -> No
     assert body["choices"][0]["text"] == tokenizer.decode(text_tokens[:5])
     assert body["choices"][0]["finish_reason"] == "length"
     prompt_len = len(tokenizer.encode("hi there"))
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5}
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 5, "total_tokens": prompt_len + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_model_may_be_named_by_path(tiny_llama_dir, tokenizer, text_tokens) -> None:

@@ -39,7 +39,7 @@ from api.tokenizer import ModelTokenizer
 from tests.fake_broker import FakeClient, make_state, token_script
 model_dir, text, cases = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 tokenizer = ModelTokenizer(model_dir)
-state = make_state(model_dir, tokenizer, FakeClient(token_script(tokenizer.encode(text), logprobs=True)))
+state = make_state(model_dir, tokenizer, FakeClient(token_script(tokenizer.encode(text), logprobs=True, cached=1)))
 runner = ItemRunner(state, retry_for=0)
 print(json.dumps([runner.run(BatchRequest(str(i), url, body)) for i, (url, body) in enumerate(cases)]))
 """
@@ -61,7 +61,7 @@ def test_batch_items_go_through_the_http_handlers_without_flask(tiny_llama_dir: 
     assert done.returncode == 0, done.stderr[-3000:]
     batch = json.loads(done.stdout.splitlines()[-1])
 
-    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(tokenizer.encode(TEXT), logprobs=True)))
+    http = make_app(tiny_llama_dir, tokenizer, FakeClient(token_script(tokenizer.encode(TEXT), logprobs=True, cached=1)))
     for (url, body), (status, batch_body) in zip(CASES, batch, strict=True):
         r = http.post(url, json=body)
         assert (status, _stable(batch_body)) == (r.status_code, _stable(r.get_json())), url
@@ -71,7 +71,10 @@ def test_batch_items_go_through_the_http_handlers_without_flask(tiny_llama_dir: 
     assert [c["text"][:2] for c in echoed["choices"]] == ["xH", "yy"]
     assert chat["choices"][0]["message"]["content"] and len(chat["choices"][0]["logprobs"]["content"]) == 6
     assert completion["usage"]["completion_tokens"] > 0 and batch[3][1]["error"]["code"] == "model_not_found"
+    # the prefix-cache hits the engine reported: each prompt once (n=2 for the first, two prompts for the second)
+    assert [body["usage"]["prompt_tokens_details"]["cached_tokens"] for body in (completion, echoed, chat)] == [1, 2, 1]
     response = batch[5][1]
     assert response["object"] == "response" and response["output"][0]["content"][0]["text"]
     assert response["usage"]["output_tokens"] == 6 and response["status"] == "incomplete"
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 1
     assert batch[6][1]["error"]["param"] == "previous_response_id"

@@ -41,6 +41,16 @@ LONG_TOKENS = 200  # the non-streamed request: still running when its engine is 
 PROMPTS = [f"Stream number {i} tells a long story about" for i in range(8)]
 
 
+def token_counts(usage: dict | None) -> dict | None:
+    """A usage without its prefix-cache hits: those depend on what each engine served before (the reference
+    run warms the caches the resumed run then finds), not on the resume."""
+    if usage is None:
+        return None
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 0 <= cached <= usage["prompt_tokens"] and cached % 16 == 0, usage  # whole KV blocks (default size)
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
 @dataclass
 class StreamResult:
     """What one streaming client saw: every chunk with the time it arrived."""
@@ -73,7 +83,7 @@ class StreamResult:
 
     @property
     def usage(self) -> dict | None:
-        return next((c["usage"] for _, c in reversed(self.chunks) if c.get("usage")), None)
+        return token_counts(next((c["usage"] for _, c in reversed(self.chunks) if c.get("usage")), None))
 
     @property
     def ids(self) -> set[str]:
@@ -298,7 +308,7 @@ def test_kill_9_of_an_engine_mid_generation_every_request_resumes_identical(stac
     assert (got["text"], got["logprobs"]["tokens"], got["finish_reason"]) == (want["text"], want["logprobs"]["tokens"],
                                                                               "length")
     assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-3)
-    assert long["body"]["usage"] == reference.long["usage"]
+    assert token_counts(long["body"]["usage"]) == token_counts(reference.long["usage"])
     held = _resumed(stack, results)
     moved = stack.migrations().get("engine_exited", 0) - before.get("engine_exited", 0)
     assert moved == len(held) + 1 >= 2, (moved, len(held))  # + the non-streamed request
