@@ -44,6 +44,7 @@ class CachedRequestState:
     prompt_logprobs: list[list] | None = None  # accumulated over prefill chunks when asked
     prompt_logprobs_sent: bool = False
     pending: PendingToken | None = None  # its last token, while the step that sampled it is in flight
+    row: int = -1  # its row of the InputBatch's BlockTable
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -86,6 +87,40 @@ class HostBuffer:
         return self.array[:rows] if columns is None else self.array[:rows, :columns]
 
 
+class BlockTable:
+    """Every live request's block ids as one row of a numpy array that lives for the run, written only when a
+    request arrives or gets new blocks; a step's table is one gather of its requests' rows (``take``)
+    instead of a Python copy of every request's block list every step. Past a row's blocks: stale ids."""
+
+    def __init__(self, rows: int = 64, columns: int = 64):
+        self.array = np.zeros((rows, columns), dtype=np.int32)
+        self.free = list(range(rows - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self.free:
+            rows = self.array.shape[0]
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self.free = list(range(2 * rows - 1, rows - 1, -1))
+        row = self.free.pop()
+        self.write(row, block_ids)
+        return row
+
+    def write(self, row: int, block_ids: list[int], start: int = 0) -> None:
+        end = start + len(block_ids)
+        if end > self.array.shape[1]:
+            grown = np.zeros((self.array.shape[0], max(end, 2 * self.array.shape[1])), dtype=np.int32)
+            grown[:, :self.array.shape[1]] = self.array
+            self.array = grown
+        self.array[row, start:end] = block_ids
+
+    def release(self, row: int) -> None:
+        self.free.append(row)
+
+    def take(self, rows: list[int], width: int) -> np.ndarray:
+        """[len(rows), width]: the first ``width`` block ids of each row (a new array)."""
+        return self.array[rows, :width]
+
+
 @dataclass
 class StepBuffers:
     """The host buffers one step's input tensors are views of (``HostBuffer``)."""
@@ -93,10 +128,6 @@ class StepBuffers:
     input_ids: HostBuffer = field(default_factory=lambda: HostBuffer(np.int64))
     positions: HostBuffer = field(default_factory=lambda: HostBuffer(np.int64))
     slots: HostBuffer = field(default_factory=lambda: HostBuffer(np.int64))
-    block_tables: HostBuffer = field(default_factory=lambda: HostBuffer(np.int32, 64))
-    query_start: HostBuffer = field(default_factory=lambda: HostBuffer(np.int32))
-    query_lens: HostBuffer = field(default_factory=lambda: HostBuffer(np.int32))
-    context_lens: HostBuffer = field(default_factory=lambda: HostBuffer(np.int32))
 
 
 class InputBatch:
@@ -107,7 +138,8 @@ class InputBatch:
     ``kernel_max_queries`` tokens) go to it as one ``PagedBatch``; otherwise (CUDA without triton, or no
     compiler) decodes get padded slot tables and masks for the torch path. Longer chunks go to SDPA: its GEMM-based CPU kernel, gather included, beats the per-row kernel
     from about 8 queries on (measured: 448 cached + 2/4/8/16 new tokens). Input tensors on CPU are views
-    of ``StepBuffers`` and are valid until the next ``prepare``."""
+    of ``StepBuffers`` (the token ids, positions and slots) and are valid until the next ``prepare``; block
+    tables are gathered from the ``BlockTable``, one row per live request."""
 
     kernel_max_queries = 4
 
@@ -119,6 +151,7 @@ class InputBatch:
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, CachedRequestState] = {}
         self.buffers = StepBuffers()
+        self.block_table = BlockTable()
         self._positions = np.arange(1024, dtype=np.int64)
         self.use_triton = attention.use_triton(device) if use_triton is None else use_triton
         if use_kernel is None:
@@ -127,8 +160,9 @@ class InputBatch:
 
     def update(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         for new in sched.new_requests:
+            self._forget(new.req_id)
             params = SamplingParams.from_dict(new.sampling)
             generator = None
             if params.seed is not None:
@@ -136,53 +170,65 @@ class InputBatch:
                 generator.manual_seed(params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids, new.prompt_token_ids + new.output_token_ids, params,
-                list(new.block_ids), new.num_computed_tokens, generator)
+                list(new.block_ids), new.num_computed_tokens, generator, row=self.block_table.add(new.block_ids))
         for cached in sched.cached_requests:
             state = self.requests[cached.req_id]
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
+                self.block_table.write(state.row, state.block_ids)
                 state.prompt_logprobs = None  # recomputed from the start
-            else:
+            elif cached.new_block_ids:
+                self.block_table.write(state.row, cached.new_block_ids, len(state.block_ids))
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
+    def _forget(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.release(state.row)
+
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        order = sorted(sched.num_scheduled_tokens.items(), key=lambda item: item[1] != 1)
-        bs, buf = self.block_size, self.buffers
+        items = sched.num_scheduled_tokens.items()
+        order = [item for item in items if item[1] == 1] + [item for item in items if item[1] != 1]
+        bs, buf, requests = self.block_size, self.buffers, self.requests
         total = sum(n for _, n in order)
         input_ids, positions, slots = buf.input_ids.take(total), buf.positions.take(total), buf.slots.take(total)
-        arange = self._arange(max((self.requests[r].num_computed_tokens + n for r, n in order), default=0))
+        arange = self._arange(max((requests[r].num_computed_tokens + n for r, n in order), default=0))
         logits_indices: list[int] = []
         sampled: list[CachedRequestState] = []
         prompt_rows: list[PromptLogprobRows] = []
         placeholders: list[tuple[int, PendingToken]] = []
         decodes: list[tuple[list[int], int]] = []
         prefills: list[tuple[int, int, int, list[int]]] = []
-        paged: list[tuple[int, int, int, list[int]]] = []
+        paged: list[tuple[int, int, int, int, int]] = []  # (start, n, context, table row, blocks)
+        batched = self.use_triton or self.use_kernel
         start = 0
         for req_id, n in order:
-            state = self.requests[req_id]
-            c, end = state.num_computed_tokens, start + n
-            blocks = state.block_ids[:-(-(c + n) // bs)]
-            input_ids[start:end] = state.token_ids[c:c + n]
-            if state.pending is not None and c <= state.pending.position < end - start + c:
-                placeholders.append((start + state.pending.position - c, state.pending))
-            positions[start:end] = arange[c:c + n]
+            state = requests[req_id]
+            c = state.num_computed_tokens
+            end, context = start + n, c + n
+            num_blocks = -(-context // bs)
             if n == 1:
-                slots[start] = blocks[c // bs] * bs + c % bs
+                input_ids[start] = state.token_ids[c]
+                positions[start] = c
+                slots[start] = state.block_ids[c // bs] * bs + c % bs
             else:
-                table = np.asarray(blocks, dtype=np.int64)
-                slots[start:end] = table[arange[c:c + n] // bs] * bs + arange[c:c + n] % bs
-            if self.use_triton or (self.use_kernel and (n == 1 or c) and n <= self.kernel_max_queries):
-                paged.append((start, n, c + n, blocks))
+                input_ids[start:end] = state.token_ids[c:context]
+                positions[start:end] = arange[c:context]
+                table = np.asarray(state.block_ids[:num_blocks], dtype=np.int64)
+                slots[start:end] = table[arange[c:context] // bs] * bs + arange[c:context] % bs
+            if state.pending is not None and c <= state.pending.position < context:
+                placeholders.append((start + state.pending.position - c, state.pending))
+            if batched and (self.use_triton or ((n == 1 or c) and n <= self.kernel_max_queries)):
+                paged.append((start, n, context, state.row, num_blocks))
             elif n == 1:
-                decodes.append((blocks, c + 1))
+                decodes.append((state.block_ids[:num_blocks], context))
             else:
-                prefills.append((start, n, c, blocks))
-            if c + n == len(state.token_ids):
+                prefills.append((start, n, c, state.block_ids[:num_blocks]))
+            if context == len(state.token_ids):
                 logits_indices.append(end - 1)
                 sampled.append(state)
-            if state.wants_prompt_logprobs:
+            if state.params.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                 rows = self._prompt_rows(state, start, c, n)
                 if rows.hidden_indices:
                     prompt_rows.append(rows)
@@ -219,28 +265,19 @@ class InputBatch:
         goes through pinned memory of its own, so the buffer may be refilled next step)."""
         return to_device(array, None, self.device)
 
-    def _paged_batch(self, specs: list[tuple[int, int, int, list[int]]]) -> PagedBatch:
-        buf, count = self.buffers, len(specs)
-        tables = buf.block_tables.take(count, max(len(blocks) for *_, blocks in specs))
-        query_start, query_lens, context_lens = buf.query_start.take(count), buf.query_lens.take(count), \
-            buf.context_lens.take(count)
-        for i, (start, n, context, blocks) in enumerate(specs):
-            tables[i, :len(blocks)] = blocks
-            query_start[i], query_lens[i], context_lens[i] = start, n, context
-        return PagedBatch(self.block_size, *(torch.from_numpy(a) for a in (tables, query_start, query_lens,
-                                                                           context_lens)))
+    def _paged_batch(self, specs: list[tuple[int, int, int, int, int]]) -> PagedBatch:
+        starts, lens, contexts, rows, blocks = zip(*specs, strict=True)
+        tables = self.block_table.take(list(rows), max(blocks))
+        return PagedBatch(self.block_size, torch.from_numpy(tables),
+                          *(torch.from_numpy(np.array(values, dtype=np.int32)) for values in (starts, lens, contexts)))
 
-    def _unified_batch(self, specs: list[tuple[int, int, int, list[int]]]) -> attention.UnifiedBatch:
-        buf, count = self.buffers, len(specs)
-        tables = buf.block_tables.take(count, max(len(blocks) for *_, blocks in specs))
-        query_start, seq_lens = buf.query_start.take(count + 1), buf.context_lens.take(count)
-        for i, (start, _, context, blocks) in enumerate(specs):
-            tables[i, :len(blocks)] = blocks
-            query_start[i], seq_lens[i] = start, context
-        query_start[count] = specs[-1][0] + specs[-1][1]
+    def _unified_batch(self, specs: list[tuple[int, int, int, int, int]]) -> attention.UnifiedBatch:
+        starts, lens, contexts, rows, blocks = zip(*specs, strict=True)
+        tables = self.block_table.take(list(rows), max(blocks))
+        query_start = np.array((*starts, starts[-1] + lens[-1]), dtype=np.int32)
+        seq_lens = np.array(contexts, dtype=np.int32)
         return attention.UnifiedBatch(self.block_size, self._device(tables), self._device(query_start),
-                                      self._device(seq_lens), count, max(n for _, n, _, _ in specs),
-                                      int(seq_lens.max()))
+                                      self._device(seq_lens), len(specs), max(lens), max(contexts))
 
     def _slot_table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
