@@ -134,6 +134,8 @@ class BlockManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Give the request blocks for its computed tokens, ``computed_blocks`` and ``num_new_tokens``
         more. Returns False (changing nothing) when the free pool cannot cover it."""
+        if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            return True  # a decode inside its last block: the common case, nothing to take
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids) - len(computed_blocks)
         reused_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
@@ -167,6 +169,8 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        if num_full <= request.num_cached_blocks:
+            return  # no block filled since the last call (a decode fills one every block_size steps)
         self._update_hashes(request, num_full * bs)
         for i in range(request.num_cached_blocks, num_full):
             block = self.blocks[request.block_ids[i]]

@@ -175,15 +175,17 @@ class EngineCore:
         result = self.executor.collect_step()
         self.steps += 1
         updates = self.scheduler.update_from_output(sched, result)
+        self.generated_tokens += len(updates)
         outputs = []
+        on_token = self.metrics.on_token
         for update in updates:
-            self.generated_tokens += 1
-            outputs.append(self._output(update.request, [update.token.token_id], update.token.logprobs,
-                                        update.token.prompt_logprobs))
-            self.metrics.on_token(update.request.request_id, update.finished)
+            request, token = update.request, update.token
+            outputs.append(self._output(request, [token.token_id], token.logprobs, token.prompt_logprobs))
+            on_token(request.request_id, update.finished)
             if update.finished:
-                self._forget_child(update.request.parent_id, update.request.request_id)
-        self._release_siblings()
+                self._forget_child(request.parent_id, request.request_id)
+        if self.held_siblings:
+            self._release_siblings()
         return outputs
 
     def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, LLMatcher]]:
@@ -197,11 +199,10 @@ class EngineCore:
 
     def _output(self, req: Request, tokens: list[int], logprobs: list | None,
                 prompt_logprobs: list | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.parent_id, index=req.index, new_token_ids=tokens,
-            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            logprobs=None if logprobs is None else [logprobs], prompt_logprobs=prompt_logprobs)
+        # positional: this runs once per sequence per step (RequestOutput's field order)
+        return RequestOutput(req.parent_id, req.index, tokens, req.status.finish_reason, req.stop_reason,
+                             len(req.prompt_token_ids), max(req.num_cached_tokens, 0),
+                             None if logprobs is None else [logprobs], None, prompt_logprobs)
 
     def _forget_child(self, parent_id: str, kid_id: str) -> None:
         kids = self.children.get(parent_id)

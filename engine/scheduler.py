@@ -132,11 +132,6 @@ class Scheduler:
                 i += 1
         if not preempted:
             budget = self._admit_waiting(out, budget, max_seqs)
-        for req_id, num_new in out.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_in_flight_steps += 1
-            request.num_in_flight_tokens += num_new
-            self._in_flight[req_id] = request
         return out
 
     def _runs_ahead(self, request: Request) -> bool:
@@ -193,7 +188,12 @@ class Scheduler:
         return self.block_manager.get_computed_blocks(request)
 
     def _record(self, out: SchedulerOutput, request: Request, num_new: int, computed: list[int]) -> None:
+        """Put the request in the step (what the runner needs to know of it) and in flight."""
         out.num_scheduled_tokens[request.request_id] = num_new
+        num_computed = request.num_computed_tokens + request.num_in_flight_tokens  # this step's first position
+        request.num_in_flight_steps += 1
+        request.num_in_flight_tokens += num_new
+        self._in_flight[request.request_id] = request
         if request.request_id not in self._known_to_runner:
             self._known_to_runner.add(request.request_id)
             out.new_requests.append(NewRequestData(
@@ -208,12 +208,8 @@ class Scheduler:
             return
         resumed = request.num_blocks_sent < 0
         start = 0 if resumed else request.num_blocks_sent
-        out.cached_requests.append(CachedRequestData(
-            req_id=request.request_id,
-            new_block_ids=request.block_ids[start:],
-            num_computed_tokens=request.num_computed_tokens + request.num_in_flight_tokens,
-            resumed_from_preemption=resumed,
-        ))
+        out.cached_requests.append(CachedRequestData(request.request_id, request.block_ids[start:], num_computed,
+                                                     resumed))
         request.num_blocks_sent = len(request.block_ids)
 
     def _preempt(self, request: Request) -> None:

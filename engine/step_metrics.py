@@ -86,7 +86,7 @@ class StepMetrics:
 
     def on_token(self, seq_id: str, finished: bool) -> None:
         times = self._times.get(seq_id)
-        if times is None or times.scheduled is None:
+        if times is None or times.scheduled is None or (times.first_token is not None and not finished):
             return
         now = self._clock()
         if times.first_token is None:
