@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 
 from engine.step_types import SampledToken
@@ -91,8 +92,8 @@ class Sampler:
       the seeded rows, one call each on that row's own generator (unseeded sampled rows share one draw
       from ``default_generator``; greedy rows draw nothing).
     - A seeded row's token depends only on its logits, parameters and generator, never on the batch.
-    - ``sample`` reads nothing back from the device (its parameters go up through ``worker.transfer``),
-      except for penalties and grammar masks, whose rows never run ahead (``engine.scheduler``).
+    - ``sample`` reads nothing back from the device: its parameters, grammar masks and penalty histories go
+      up through ``worker.transfer``, and the tokens stay there until ``SampledBatch.tokens``.
     """
 
     def __init__(self, device: torch.device):
@@ -195,12 +196,12 @@ def apply_grammar_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> t
     rows = [row for row, mask in enumerate(masks) if mask is not None]
     vocab = logits.shape[1]
     words = torch.frombuffer(bytearray(b"".join(masks[row] for row in rows)), dtype=torch.int32)
-    words = words.view(len(rows), -1).to(logits.device)
+    words = to_device(words.view(len(rows), -1), None, logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1).bool()
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = to_device(rows, torch.long, logits.device)
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
     return logits
@@ -209,25 +210,35 @@ def apply_grammar_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> t
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """vLLM's penalties, all rows at once: repetition over prompt and output tokens (divide positive
     logits, multiply negative ones), then frequency per output occurrence, then presence once per output
-    token. Sparse: only the logits of tokens a row has seen are read and written (a copy of ``logits``)."""
+    token. Dense per-row token counts ([rows, vocab], by one scatter-add from the host's padded id lists),
+    so nothing is read back from the device (a sparse form needs ``unique``, whose size the host must wait
+    for). Returns a new tensor."""
     rows, vocab = logits.shape
     device = logits.device
-    flat = logits.clone().view(-1)
-    out_index, out_counts = torch.unique(_flat_rows(batch.output_token_ids, vocab, device), return_counts=True)
+    counts = _token_counts(batch.output_token_ids, rows, vocab, device)
     if any(p != 1.0 for p in batch.repetition_penalty):
-        seen = torch.unique(torch.cat([out_index, _flat_rows(batch.prompt_token_ids, vocab, device)]))
-        rep = torch.tensor(batch.repetition_penalty, device=device)[seen // vocab]
-        values = flat[seen]
-        flat[seen] = torch.where(values > 0, values / rep, values * rep)
-    if any(batch.frequency_penalty) or any(batch.presence_penalty):
-        out_rows = out_index // vocab
-        values = flat[out_index]
-        if any(batch.frequency_penalty):
-            values = values - torch.tensor(batch.frequency_penalty, device=device)[out_rows] * out_counts.float()
-        if any(batch.presence_penalty):
-            values = values - torch.tensor(batch.presence_penalty, device=device)[out_rows]
-        flat[out_index] = values
-    return flat.view(rows, vocab)
+        seen = (counts > 0) | (_token_counts(batch.prompt_token_ids, rows, vocab, device) > 0)
+        rep = to_device(batch.repetition_penalty, torch.float32, device).unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if any(batch.frequency_penalty):
+        logits = logits - to_device(batch.frequency_penalty, torch.float32, device).unsqueeze(1) * counts
+    if any(batch.presence_penalty):
+        logits = logits - to_device(batch.presence_penalty, torch.float32, device).unsqueeze(1) * (counts > 0)
+    return logits
+
+
+def _token_counts(lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float32: how often each id occurs in each row's list (ids outside the vocabulary name no
+    logit and are not counted)."""
+    width = max((len(ids) for ids in lists), default=0)
+    padded = np.full((rows, max(width, 1)), vocab, dtype=np.int64)  # column ``vocab``: padding, dropped below
+    for row, ids in enumerate(lists):
+        padded[row, :len(ids)] = ids
+    padded[(padded < 0) | (padded > vocab)] = vocab
+    index = to_device(padded, None, device)
+    counts = torch.zeros(rows, vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
