@@ -33,6 +33,7 @@ COPY pyproject.toml README.md ./
 COPY api ./api
 COPY broker ./broker
 COPY common ./common
+COPY coordinator ./coordinator
 COPY engine ./engine
 COPY worker ./worker
 COPY redserve ./redserve

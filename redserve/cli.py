@@ -96,7 +96,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from engine.coordinator import run_from_args
+    from coordinator.process import run_from_args
     if not args.redis_url:
         sys.exit("redserve coordinator: --redis-url (or REDSERVE_REDIS_URL) is required")
     return run_from_args(args)

@@ -25,7 +25,7 @@ from broker.keys import RedisKeys, check_id
 from broker.load_balance import EngineLoad, read_lb_snapshot
 from broker.messages import StartWave
 from broker.registry import EngineRegistry
-from engine.coordinator import Coordinator, CoordinatorConfig
+from coordinator.process import Coordinator, CoordinatorConfig
 from engine.dp_wave import DpWaves
 from redserve.status import collect_status, format_status
 
@@ -287,7 +287,7 @@ def test_metrics_skip_garbage_in_the_restart_counts(health, redis_client, redis_
 
 @pytest.mark.parametrize("stray", ["set", "string-without-ttl"])
 def test_a_stray_coordinator_lock_is_cleared_not_obeyed_for_ever(stray, redis_client, redis_keys):
-    from broker.leader_lock import LeaderLock
+    from coordinator.leader_lock import LeaderLock
 
     r, keys = redis_client, redis_keys
     if stray == "set":

@@ -14,12 +14,12 @@ from stack_procs import poll, quiet_cli
 
 from broker.engine_link import RequestReader
 from broker.keys import EngineState
-from broker.leader_lock import LeaderLock
 from broker.load_balance import EngineLoad, read_lb_snapshot
 from broker.messages import AddRequest, StartWave, decode
 from broker.registry import EngineRegistry
-from engine.coordinator import Coordinator, CoordinatorConfig
-from engine.coordinator_rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
+from coordinator.leader_lock import LeaderLock
+from coordinator.process import Coordinator, CoordinatorConfig
+from coordinator.rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
 from engine.dp_wave import DpWaves
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("api", "broker", "common", "engine", "worker", "redserve")
+PACKAGES = ("api", "broker", "common", "coordinator", "engine", "worker", "redserve")
 
 
 def module_files() -> dict[str, Path]:
@@ -80,10 +80,20 @@ def test_the_cycle_finder_finds_a_ring() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("module", ["api.app", "broker.client", "engine.coordinator", "redserve.cli",
+@pytest.mark.parametrize("module", ["api.app", "broker.client", "coordinator.process", "redserve.cli",
                                     "redserve.stack"])
 def test_torch_free_processes_never_load_torch(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_coordinator_reaches_neither_engine_nor_worker() -> None:
+    """A process of its own that talks to the rest through Redis: it imports from broker/ (keys, load
+    snapshot, control state) and nothing of the model side."""
+    files = module_files()
+    for name, path in files.items():
+        if name.split(".")[0] == "coordinator":
+            reached = {m for m in imports_of(path, set(files)) if m.split(".")[0] in ("engine", "worker")}
+            assert not reached, f"{name} imports {sorted(reached)}"

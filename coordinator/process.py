@@ -1,7 +1,7 @@
 """The DP coordinator (`redserve coordinator`): load snapshot, wave counter, engine liveness.
 
 Rules:
-- One coordinator is active: the holder of `rs:coordinator:lock` (`broker.leader_lock`). Any
+- One coordinator is active: the holder of `rs:coordinator:lock` (`coordinator.leader_lock`). Any
   number of standbys try to take the lock every `standby_poll` seconds, so one takes over within
   the lock's TTL (+ one poll) of the active one dying. Every write of the active one is fenced by
   the lock (a WATCHed transaction or a Lua check), so one that lost the lock while paused writes
@@ -10,7 +10,7 @@ Rules:
   seconds while an engine has work or the loads just moved, every `idle_interval` otherwise.
 - It rewrites `rs:lb` (and its own `rs:coordinator` hash) when the loads moved, and at least
   every `refresh_interval` seconds; the same transaction sets `rs:wave` to W + 1 when wave W is
-  complete (rules in `engine.coordinator_rules`).
+  complete (rules in `coordinator.rules`).
 - An engine found dead (its heartbeat gone: `DeathWatch`) is marked state=dead (the hash is kept
   `dead_record_ttl` seconds for inspection), removed from `rs:engines` and its request stream is
   deleted (and its prefix-cache index `rs:engine:{id}:blocks`), by one Lua script that first checks the lock and that the engine has not come back.
@@ -43,11 +43,11 @@ from redis.client import Pipeline
 
 from broker.control_state import is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.keys import RedisKeys
-from broker.leader_lock import LeaderLock
 from broker.load_balance import EngineLoad, write_lb_snapshot
 from broker.log_limits import warn_every
 from broker.registry import EngineRegistry, encode_fields
-from engine.coordinator_rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
+from coordinator.leader_lock import LeaderLock
+from coordinator.rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
 
 logger = logging.getLogger(__name__)
 
