@@ -37,9 +37,9 @@ sys.path.insert(0, str(ROOT))
 from broker.client import BrokerClient  # noqa: E402
 from broker.keys import RedisKeys  # noqa: E402
 from broker.messages import AddRequest  # noqa: E402
-from broker.redis_server import EmbeddedRedis  # noqa: E402
 from broker.registry import EngineRegistry  # noqa: E402
 from broker.sampling_params import SamplingParams  # noqa: E402
+from redserve.redis_server import EmbeddedRedis  # noqa: E402
 
 
 def _cli(*argv: str) -> list[str]:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.redis_server import pdeathsig_preexec
+from redserve.redis_server import pdeathsig_preexec
 
 DROPPED_ENV = ("REDSERVE_API_KEY", "VLLM_API_KEY", "REDSERVE_REDIS_URL", "OPENAI_API_KEY")
 

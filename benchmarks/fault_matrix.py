@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from api.batch.store import BatchStore  # noqa: E402
 from broker.connection import connect  # noqa: E402
 from broker.keys import RedisKeys  # noqa: E402
-from broker.redis_server import pdeathsig_preexec, redis_cli_invocation  # noqa: E402
 from redserve.proc_tree import alive, children, descendants, socket_owner, title  # noqa: E402
+from redserve.redis_server import pdeathsig_preexec, redis_cli_invocation  # noqa: E402
 
 KEYS = RedisKeys()
 MODEL_NAME = "tiny-llama"

@@ -45,11 +45,11 @@ import redis
 
 from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
-from broker.redis_server import EmbeddedRedis
 from common.proctitle import set_title
 from common.stack_state import StackState, remove_stack_state, write_stack_state
 from redserve.devices import engine_device_env
 from redserve.model_arg import resolve_model
+from redserve.redis_server import EmbeddedRedis
 from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supervisor, describe_exit
 
 logger = logging.getLogger("redserve.stack")

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from broker.redis_server import pdeathsig_preexec
+from redserve.redis_server import pdeathsig_preexec
 
 logger = logging.getLogger("redserve.stack")
 

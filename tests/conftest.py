@@ -23,7 +23,7 @@ import redis
 
 from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 from worker.kernels.build import cache_root
 
 # Tests that point REDSERVE_CACHE_DIR at a temporary folder (GGUF, tiny-model caches) keep using the C++
@@ -151,7 +151,7 @@ class ApiStack:
         import subprocess
         import sys
 
-        from broker.redis_server import pdeathsig_preexec
+        from redserve.redis_server import pdeathsig_preexec
 
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - closed with the stack
         proc = subprocess.Popen([sys.executable, "-m", "redserve.cli", *argv], stdout=log, stderr=subprocess.STDOUT,

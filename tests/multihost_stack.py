@@ -27,8 +27,8 @@ import requests
 from stack_procs import wait_for
 
 from broker.keys import RedisKeys
-from broker.redis_conf import ServerConfig, render
-from broker.redis_server import redis_server_path
+from redserve.redis_conf import ServerConfig, render
+from redserve.redis_server import redis_server_path
 from tests import netns
 
 REDIS_PORT, API_PORT, API_KEY = 6379, 8000, "multihost-key"

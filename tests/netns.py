@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from broker.redis_server import pdeathsig_preexec
+from redserve.redis_server import pdeathsig_preexec
 
 SUBNET = "198.18.0"
 _CLONE_NEWNET = 0x40000000

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from broker.keys import RedisKeys
-from broker.redis_server import pdeathsig_preexec
+from redserve.redis_server import pdeathsig_preexec
 
 
 def cli(*argv: str) -> list[str]:

@@ -25,7 +25,7 @@ from conftest import ApiStack
 from stack_procs import wait_for
 
 from broker.keys import RedisKeys
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 LIMIT = 4
 BACKLOG = 2

@@ -16,7 +16,7 @@ import redis
 import requests
 from conftest import ApiStack
 
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 DEADLINE_S = 45
 

@@ -18,7 +18,7 @@ from stack_procs import Procs, cli, engine_ready, maps_torch, process_tree, titl
 from api.batch.store import BatchStore
 from broker.connection import connect
 from broker.keys import RedisKeys
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 VISIBILITY_TIMEOUT = 8  # short, so that a killed worker's chunks come back within the test
 

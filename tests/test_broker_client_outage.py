@@ -12,7 +12,7 @@ from stack_procs import poll
 from broker.client import BrokerClient
 from broker.errors import BrokerUnavailable
 from broker.messages import ErrorCode
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 
 def test_redis_restart_mid_stream(redis_keys):

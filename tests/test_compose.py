@@ -35,9 +35,9 @@ import yaml
 from stack_procs import Procs, engine_ready, free_port, title, wait_for
 
 from broker.keys import RedisKeys
-from broker.redis_conf import APP_USER, APP_USER_RULES
-from broker.redis_server import redis_cli_path, redis_server_path
 from redserve.cli import build_parser
+from redserve.redis_conf import APP_USER, APP_USER_RULES
+from redserve.redis_server import redis_cli_path, redis_server_path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

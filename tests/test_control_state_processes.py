@@ -31,7 +31,7 @@ from broker.engine_link import STREAM_FIELD, RequestReader
 from broker.keys import RedisKeys
 from broker.load_balance import read_lb_snapshot
 from broker.messages import AddRequest, EngineOutputs, MessageError, RequestOutput, decode, encode
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 # ----------------------------------------------------------------------------------------- coordinator
 

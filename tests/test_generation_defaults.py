@@ -14,7 +14,7 @@ import requests
 from conftest import ApiStack
 
 from api.generation_defaults import apply_generation_defaults, load_generation_defaults
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 AUTH = {"Authorization": f"Bearer {ApiStack.API_KEY}"}
 PROMPT = [5, 17, 42, 99, 7]

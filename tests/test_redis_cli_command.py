@@ -10,8 +10,8 @@ import pytest
 from redis.connection import parse_url
 from stack_procs import cli
 
-from broker.redis_server import EmbeddedRedis
 from common.stack_state import StackState, write_stack_state
+from redserve.redis_server import EmbeddedRedis
 
 
 @pytest.fixture

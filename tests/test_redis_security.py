@@ -13,8 +13,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker.redis_conf import ADMIN_USER, APP_USER
-from broker.redis_server import EmbeddedRedis, redis_cli_path
+from redserve.redis_conf import ADMIN_USER, APP_USER
+from redserve.redis_server import EmbeddedRedis, redis_cli_path
 
 # Commands the application user must never run: each would reconfigure, wipe, stop or take over the server.
 FORBIDDEN = [

@@ -29,7 +29,7 @@ from broker.connection import connect, mask_url, wait_for_redis
 from broker.engine_link import EngineRegistry
 from broker.errors import BrokerUnavailable
 from broker.keys import RedisKeys
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 
 def _password(url: str) -> str:

@@ -21,7 +21,7 @@ from engine_helpers import greedy, hf_greedy, make_llm
 from openai import OpenAI
 
 from broker.model_source import resolve_model_dir
-from broker.redis_server import EmbeddedRedis
+from redserve.redis_server import EmbeddedRedis
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 8

