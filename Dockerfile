@@ -35,6 +35,7 @@ COPY broker ./broker
 COPY common ./common
 COPY coordinator ./coordinator
 COPY engine ./engine
+COPY protocol ./protocol
 COPY worker ./worker
 COPY redserve ./redserve
 RUN pip install ".[gguf]" && useradd --create-home --uid 1000 redserve \

@@ -337,7 +337,7 @@ def _structured_output(body: Body) -> dict[str, Any] | None:
 
 
 def _checked_spec(spec: dict[str, Any], name: str) -> dict[str, Any]:
-    from engine.structured_output import spec_error  # llguidance: loaded on the first constrained request
+    from protocol.grammar_spec import spec_error  # llguidance: loaded on the first constrained request
 
     error = spec_error(spec)
     if error:

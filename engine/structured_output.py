@@ -6,9 +6,8 @@ A request's constraint travels as a small grammar spec in its sampling parameter
 "regex" and "grammar" (Lark, or GBNF), a list of strings for "choice", absent for "json_object".
 
 Rules:
-- `grammar_from_spec` turns a spec into an llguidance grammar and `spec_error` says why one cannot
-  compile (None when it can); the API calls it once per request (a 400 naming the field), the
-  engine compiles again when it builds the request's matcher (an engine never trusts the wire).
+- `protocol.grammar_spec` turns a spec into an llguidance grammar (and says why one cannot compile: the
+  API's check); the engine compiles again when it builds the request's matcher (it never trusts the wire).
 - The engine keeps one `LLMatcher` per constrained sequence (``Request.grammar``; n > 1: one each).
   Before a step, `StructuredOutputs.bitmasks` fills the token masks of the constrained rows that
   sample this step, in one batched llguidance call; the masks travel to the workers with the
@@ -16,51 +15,21 @@ Rules:
 - After a step the scheduler advances the matcher with the sampled token (`grammar_finished`).
   Once the grammar is complete its mask allows only EOS, so the sequence finishes with "stop" on
   EOS (as vLLM); a failed matcher finishes it too.
-- JSON is written without free whitespace (``_JSON_LAYOUT``), vLLM's ``disable_any_whitespace``.
 - Heavy imports (llguidance's tokenizer, transformers) happen on the first constrained request.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
 import numpy as np
-from llguidance import LLExecutor, LLMatcher, LLTokenizer, grammar_from
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from protocol.grammar_spec import grammar_from_spec
 
 logger = logging.getLogger(__name__)
-# JSON without free whitespace (as OpenAI's structured outputs write it): a model that prefers
-# whitespace cannot pad an answer forever; a schema's "x-guidance" options can still override this.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def grammar_from_spec(spec: dict[str, Any]) -> str:
-    """The llguidance grammar of a spec. Raises ValueError for an unknown kind or a malformed value."""
-    kind, value = spec.get("kind"), spec.get("value")
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_LAYOUT)
-    if kind == "json_schema":
-        schema = json.loads(value) if isinstance(value, str) else value
-        if not isinstance(schema, dict | bool):
-            raise ValueError("the JSON schema must be an object")
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
-    if kind == "regex" and isinstance(value, str):
-        return LLMatcher.grammar_from_regex(value)
-    if kind == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
-        return grammar_from("choice", value)
-    if kind == "grammar" and isinstance(value, str):
-        return grammar_from("grammar", value)
-    raise ValueError(f"unsupported structured output {kind!r} (or a value of the wrong type)")
-
-
-def spec_error(spec: dict[str, Any]) -> str | None:
-    """Why the spec's grammar cannot compile, or None when it can (no tokenizer needed)."""
-    try:
-        return LLMatcher.validate_grammar(grammar_from_spec(spec)) or None
-    except (ValueError, TypeError, RuntimeError) as exc:
-        return str(exc) or type(exc).__name__
 
 
 def grammar_finished(matcher: LLMatcher, token_id: int, eos_token_ids: frozenset[int]) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("api", "broker", "common", "coordinator", "engine", "worker", "redserve")
+PACKAGES = ("api", "broker", "common", "coordinator", "engine", "protocol", "worker", "redserve")
 
 
 def module_files() -> dict[str, Path]:
@@ -97,3 +97,21 @@ def test_the_coordinator_reaches_neither_engine_nor_worker() -> None:
         if name.split(".")[0] == "coordinator":
             reached = {m for m in imports_of(path, set(files)) if m.split(".")[0] in ("engine", "worker")}
             assert not reached, f"{name} imports {sorted(reached)}"
+
+
+def test_protocol_imports_no_tier() -> None:
+    """protocol/ is what the tiers share: it imports none of them."""
+    files = module_files()
+    for name, path in files.items():
+        if name.split(".")[0] == "protocol":
+            reached = {m for m in imports_of(path, set(files)) if m.split(".")[0] != "protocol"}
+            assert not reached, f"{name} imports {sorted(reached)}"
+
+
+@pytest.mark.parametrize("module", ["protocol", "protocol.grammar_spec"])
+def test_protocol_loads_neither_torch_nor_redis_nor_flask(module: str) -> None:
+    code = (f"import sys, {module}; "
+            "print(sorted(m for m in ('torch', 'transformers', 'redis', 'flask') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -14,7 +14,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from engine.structured_output import StructuredOutputs, grammar_from_spec, spec_error
+from engine.structured_output import StructuredOutputs
+from protocol.grammar_spec import grammar_from_spec, spec_error
 
 KEY = "test-key"
 PERSON = {

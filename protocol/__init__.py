@@ -1,0 +1,7 @@
+"""What every tier agrees on, importing neither torch nor redis (nor flask): the shapes and checks that the
+API, the broker and the engine share. Imports run one way into it: api -> broker -> protocol and
+engine -> worker -> protocol; it imports nothing of theirs.
+
+- ``grammar_spec``: a structured-output spec as it travels in the sampling parameters, turned into an
+  llguidance grammar, and why one cannot compile (the API's 400, the engine's matcher).
+"""
