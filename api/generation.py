@@ -37,7 +37,7 @@ from api.detokenizer import Decoder, IncrementalDetokenizer
 from api.stop_strings import StopStringMatcher
 from broker.client.request_handle import RequestHandle
 from broker.messages import AddRequest, ErrorCode, FinishReason, RequestOutput, make_error
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 class GenerationError(Exception):

@@ -40,7 +40,7 @@ from typing import Any
 
 from api.errors import bad_request
 from api.tools import ToolRequest, parse_tool_request
-from broker.sampling_params import (
+from protocol.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_BYTES,
     MAX_STOP_STRINGS,

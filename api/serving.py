@@ -34,7 +34,7 @@ from api.metrics import IN_FLIGHT, RequestRecorder
 from api.protocol import fit_to_context
 from api.state import ApiState
 from broker.errors import BrokerUnavailable, EngineOverloaded, MessageError, NoEngineAvailable
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: another tree there wins
 
 from broker.messages import AddRequest, EngineOutputs, RequestOutput, decode, encode  # noqa: E402
-from broker.sampling_params import SamplingParams  # noqa: E402
 from engine import step_types  # noqa: E402
 from engine.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput  # noqa: E402
+from protocol.sampling_params import SamplingParams  # noqa: E402
 from worker import serialization  # noqa: E402
 
 

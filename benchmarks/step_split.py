@@ -144,7 +144,7 @@ def format_split(batch: int, step_ms: float, totals: dict[str, float]) -> str:
 
 def decode_batch(llm, batch: int, input_len: int, max_tokens: int) -> list[str]:
     """Add ``batch`` random prompts and step until every one has its first token (all in decode)."""
-    from broker.sampling_params import SamplingParams
+    from protocol.sampling_params import SamplingParams
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(10, llm.engine.vocab_size - 10, (batch, input_len), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -12,7 +12,7 @@ deployments share one Redis. Layout, for prefix "rs" (all inspectable with plain
                                         plus live counters (waiting, running, kv_usage, ...)
     rs:engine:{engine}:alive   string   heartbeat, value = the engine's incarnation, with a TTL
     rs:engine:{engine}:blocks  set      prefix-cache index: the chained block hashes (int64, see
-                                        broker.prefix_hash) the engine's KV cache holds now; at most
+                                        protocol.prefix_hash) the engine's KV cache holds now; at most
                                         num_kv_blocks members; written by the engine (broker.prefix_index),
                                         deleted at (re)registration, deregistration and death, TTL
                                         refreshed by the heartbeat

@@ -17,7 +17,7 @@ round trip at all. The selector is pure logic over a `fetch` callable and is thr
 
 Cache-aware routing (`RoutingConfig.policy == "cache"`, the default, and `select(token_ids=...)`
 with two or more candidates): the prompt's full-block hashes are computed with each engine's
-`block_size` (`broker.prefix_hash`, as the engine does), a bounded set of probe positions
+`block_size` (`protocol.prefix_hash`, as the engine does), a bounded set of probe positions
 (`max_probes`, see `broker.prefix_index.probe_positions`) is looked up in every candidate's index in
 one pipeline, and
 
@@ -57,8 +57,8 @@ from redis.client import Pipeline
 from broker.control_state import MAX_INT, is_wrong_type, utf8, warn_bad
 from broker.errors import NoEngineAvailable
 from broker.keys import EngineState, RedisKeys, check_id
-from broker.prefix_hash import block_hashes
 from broker.prefix_index import PrefixIndexReader, leading_blocks, probe_positions
+from protocol.prefix_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 

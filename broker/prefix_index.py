@@ -2,7 +2,7 @@
 
 Rules:
 - One Redis set per engine, `rs:engine:{id}:blocks`, of signed 64-bit block hashes
-  (`broker.prefix_hash`), mirroring the keys of the engine's `BlockManager.hash_to_block`: at most
+  (`protocol.prefix_hash`), mirroring the keys of the engine's `BlockManager.hash_to_block`: at most
   `num_kv_blocks` members, so the set is bounded by the engine's cache size.
 - The engine (`PrefixIndexWriter.publish`, from its output thread) writes the changes its block
   manager recorded since the last write, in one pipeline: DEL (after a cache reset or a resync),

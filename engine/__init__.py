@@ -14,7 +14,7 @@ def __getattr__(name: str) -> Any:
         from engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from broker.sampling_params import SamplingParams
+        from protocol.sampling_params import SamplingParams
         return SamplingParams
     if name == "EngineConfig":
         from engine.config import EngineConfig

@@ -10,7 +10,7 @@ Rules:
   so cached blocks are reused least-recently-freed first. A request's blocks are freed tail first, so a
   prefix outlives its tail.
 - Check/commit pairs: ``allocate_slots`` only changes state when it can satisfy the whole request.
-- Block hashes come from ``broker.prefix_hash`` (the API computes the same ones to route requests).
+- Block hashes come from ``protocol.prefix_hash`` (the API computes the same ones to route requests).
 - With ``track_events()`` on, every change to the set of cached hashes (``hash_to_block``'s keys) is
   recorded in ``events`` (stored / removed / cleared) for the engine to publish; ``take_events``
   returns and resets what changed since the last call, a hash stored then removed in between cancels.
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from broker.prefix_hash import chain_hash
 from engine.request import Request
+from protocol.prefix_hash import chain_hash
 
 __all__ = ["Block", "BlockManager", "CacheEvents", "chain_hash"]
 

@@ -22,7 +22,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from broker.messages import RequestOutput
-from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
@@ -30,6 +29,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_metrics import StepMetrics
 from engine.step_types import SchedulerOutput
 from engine.structured_output import LLMatcher, StructuredOutputs
+from protocol.sampling_params import SamplingParams
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from broker.messages import RequestOutput as EngineOutput
-from broker.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from protocol.sampling_params import SamplingParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ import enum
 import time
 
 from broker.messages import FinishReason
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.StrEnum):

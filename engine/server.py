@@ -49,12 +49,12 @@ from broker.messages import (
 )
 from broker.prefix_index import PrefixIndexWriter
 from broker.registry import EngineHeartbeat, EngineRegistry
-from broker.sampling_params import SamplingParams
 from engine.block_manager import CacheEvents
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.dp_wave import IDLE_WAIT, DpWaves
 from engine.input_items import ClientGone, Drain, InputItem, Received, Rejoin
+from protocol.sampling_params import SamplingParams
 from worker.multiproc_executor import WorkerDied
 
 logger = logging.getLogger(__name__)

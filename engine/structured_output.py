@@ -2,7 +2,7 @@
 
 A request's constraint travels as a small grammar spec in its sampling parameters
 (``SamplingParams.structured_output``): ``{"kind": K, "value": V}`` with K one of
-``broker.sampling_params.GRAMMAR_KINDS``; V is the schema as JSON text for "json_schema", text for
+``protocol.sampling_params.GRAMMAR_KINDS``; V is the schema as JSON text for "json_schema", text for
 "regex" and "grammar" (Lark, or GBNF), a list of strings for "choice", absent for "json_object".
 
 Rules:

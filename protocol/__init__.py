@@ -2,6 +2,9 @@
 API, the broker and the engine share. Imports run one way into it: api -> broker -> protocol and
 engine -> worker -> protocol; it imports nothing of theirs.
 
+- ``sampling_params``: ``SamplingParams``, what a request asks of generation, checked once where it is built.
 - ``grammar_spec``: a structured-output spec as it travels in the sampling parameters, turned into an
   llguidance grammar, and why one cannot compile (the API's 400, the engine's matcher).
+- ``prefix_hash``: the chained hashes of a prompt's full KV blocks, the same in the API's cache-aware router
+  and the engine's prefix cache.
 """

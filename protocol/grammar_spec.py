@@ -1,5 +1,5 @@
 """A structured-output spec (``SamplingParams.structured_output``: ``{"kind": K, "value": V}`` with K one of
-``broker.sampling_params.GRAMMAR_KINDS``) as an llguidance grammar: V is the schema (JSON text or an object) for
+``protocol.sampling_params.GRAMMAR_KINDS``) as an llguidance grammar: V is the schema (JSON text or an object) for
 "json_schema", text for "regex" and "grammar" (Lark, or GBNF), a list of strings for "choice", absent for
 "json_object".
 

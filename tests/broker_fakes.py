@@ -27,7 +27,7 @@ from broker.messages import (
     UtilityCall,
     UtilityResult,
 )
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 PROMPT_LEN = 3  # `add()` prompts: [first_token, 7, 7]
 

@@ -8,7 +8,7 @@ import time
 
 from broker.client import BrokerClient
 from broker.messages import AddRequest
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 def shm_segments(pid: int) -> list[str]:

@@ -17,7 +17,7 @@ from api.errors import ApiError, sse_error
 from api.generation import ClientDisconnected, Generation, GenerationError
 from api.tokenizer import ModelTokenizer
 from broker.messages import AddRequest, ErrorCode, RequestOutput
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 TEXT = "Hello world, this is a test. STOP here and more text follows"
 

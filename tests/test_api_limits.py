@@ -28,7 +28,7 @@ from broker.errors import EngineOverloaded
 from broker.keys import RedisKeys
 from broker.messages import AbortRequests, AddRequest, RequestOutput, decode
 from broker.registry import EngineHeartbeat, EngineRegistry
-from broker.sampling_params import API_ONLY_FIELDS, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from protocol.sampling_params import API_ONLY_FIELDS, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 USER = [{"role": "user", "content": "hi"}]
 TEN_MB = "hello world " * 873_814  # 10 MiB of text: ~5 M tokens, ~25 s to tokenize on one core

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from broker.sampling_params import SamplingParams
 from engine import LLM
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -20,6 +19,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import ModelRunnerOutput, SampledToken
 from engine.tiny_model import ensure_default_model
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 EOS = 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import engine.block_manager as bm_module
-from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager, CacheEvents
 from engine.request import Request
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from broker.load_balance import EngineLoad, EngineSelector, RoutingConfig, route_costs
-from broker.prefix_hash import block_hashes, chain_hash
 from broker.prefix_index import leading_blocks, probe_positions
-from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Request
+from protocol.prefix_hash import block_hashes, chain_hash
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 
@@ -44,7 +44,7 @@ def test_hashes_chain_and_are_the_same_in_another_process():
     assert first[0] == chain_hash(None, [1, 2, 3, 4])
     assert block_hashes([9, 2, 3, 4, 5, 6, 7, 8], BS)[1] != first[1]  # the chain carries the first block
     assert all(-(2**63) <= h < 2**63 for h in first)  # int64: a compact Redis set
-    code = "import json; from broker.prefix_hash import block_hashes; print(json.dumps(block_hashes(list(range(1, 9)), 4)))"
+    code = "import json; from protocol.prefix_hash import block_hashes; print(json.dumps(block_hashes(list(range(1, 9)), 4)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
     assert json.loads(out) == first

@@ -16,10 +16,10 @@ from broker.connection import connect
 from broker.keys import RedisKeys
 from broker.load_balance import RoutingConfig
 from broker.messages import AddRequest
-from broker.prefix_hash import block_hashes
 from broker.prefix_index import read_routing_counts
 from broker.registry import EngineRegistry
-from broker.sampling_params import SamplingParams
+from protocol.prefix_hash import block_hashes
+from protocol.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(32 << 20), "--max-num-seqs", "2",
                 "--heartbeat-ttl", "2"]

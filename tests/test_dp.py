@@ -21,7 +21,7 @@ from broker.connection import connect
 from broker.keys import RedisKeys
 from broker.messages import AddRequest, ErrorCode, FinishReason
 from broker.registry import EngineRegistry
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(32 << 20), "--max-num-seqs", "4",
                 "--heartbeat-ttl", "2"]

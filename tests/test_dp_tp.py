@@ -16,7 +16,7 @@ import redserve.devices
 from broker.client import BrokerClient
 from broker.keys import RedisKeys
 from broker.messages import AddRequest
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 from redserve.cli import build_parser
 from redserve.devices import engine_cuda_devices, engine_device_env
 from redserve.stack import Stack

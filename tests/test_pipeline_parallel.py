@@ -17,8 +17,8 @@ from parallel_helpers import shm_segments, submit, wait_engine_ready, wait_gone
 from stack_procs import process_tree, title, wait_for
 
 from broker.client import BrokerClient
-from broker.sampling_params import SamplingParams
 from engine import LLM
+from protocol.sampling_params import SamplingParams
 from worker import parallel_state
 from worker.model_loader import build_model, load_config
 from worker.parallel_state import PPGroup

@@ -8,10 +8,10 @@ import struct
 
 import pytest
 
-from broker.prefix_hash import ROOT_HASH, block_hashes, chain_hash
-from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Request
+from protocol.prefix_hash import ROOT_HASH, block_hashes, chain_hash
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 X, Y, Z, W = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]

@@ -14,7 +14,7 @@ from broker.client.request_resume import (
     resume_blocker,
 )
 from broker.messages import AddRequest
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 
 def _add(**params) -> AddRequest:

@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from broker.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig, TokenUpdate
 from engine.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
+from protocol.sampling_params import SamplingParams
 
 BS = 4
 EOS = 1

@@ -14,8 +14,8 @@ from engine_helpers import requires_devices
 from parallel_helpers import child_pids, cmdline, shm_segments, submit, wait_engine_ready, wait_gone
 
 from broker.client import BrokerClient
-from broker.sampling_params import SamplingParams
 from engine import LLM
+from protocol.sampling_params import SamplingParams
 from worker.multiproc_executor import WorkerDied
 
 pytestmark = requires_devices(2)

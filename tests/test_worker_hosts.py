@@ -24,8 +24,8 @@ from parallel_helpers import shm_segments, submit, wait_engine_ready, wait_gone
 from stack_procs import process_tree, title, wait_for
 
 from broker.client import BrokerClient
-from broker.sampling_params import SamplingParams
 from engine import LLM
+from protocol.sampling_params import SamplingParams
 from redserve.status import collect_status, format_status
 from worker.redis_store import RedisStore, clear
 from worker.remote_link import (

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.messages import AddRequest
-from broker.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15
 _INT64_MIN = -(2**63)
