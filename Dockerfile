@@ -24,7 +24,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    REDSERVE_KERNEL_CACHE_DIR=/var/cache/redserve/kernels
+    REDSERVE_KERNEL_CACHE_DIR=/var/cache/redserve/kernels \
+    REDSERVE_CACHE_DIR=/var/cache/redserve/models
 
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
 
@@ -39,7 +40,8 @@ COPY protocol ./protocol
 COPY worker ./worker
 COPY redserve ./redserve
 RUN pip install ".[gguf]" && useradd --create-home --uid 1000 redserve \
-    && mkdir -p "$REDSERVE_KERNEL_CACHE_DIR" && chown redserve "$REDSERVE_KERNEL_CACHE_DIR"
+    && mkdir -p "$REDSERVE_KERNEL_CACHE_DIR" "$REDSERVE_CACHE_DIR" \
+    && chown redserve "$REDSERVE_KERNEL_CACHE_DIR" "$REDSERVE_CACHE_DIR"
 
 USER redserve
 WORKDIR /home/redserve

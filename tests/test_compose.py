@@ -164,6 +164,19 @@ def test_engines_keep_the_cpu_kernels_in_a_volume() -> None:
     assert "kernel-cache" in compose["volumes"]
 
 
+def test_every_service_shares_one_converted_model_cache() -> None:
+    """A GGUF --model is converted once (broker.model_source: a file lock, then an atomic rename) into the
+    named volume at the image's REDSERVE_CACHE_DIR, which the API, the engines and the batch worker all
+    mount, instead of once into each container's own home."""
+    compose = load(COMPOSE)
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    cache_dir = re.search(r"REDSERVE_CACHE_DIR=(\S+)", dockerfile)[1]
+    assert re.search(r'chown redserve [^\n]*"\$REDSERVE_CACHE_DIR"', dockerfile)
+    for name in REDSERVE_SERVICES:
+        assert f"model-cache:{cache_dir}" in compose["services"][name]["volumes"], name
+    assert "model-cache" in compose["volumes"]
+
+
 def test_ignore_files_keep_secrets_and_models_out() -> None:
     gitignore = (ROOT / ".gitignore").read_text().split()
     dockerignore = (ROOT / ".dockerignore").read_text().split()
