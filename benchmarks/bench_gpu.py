@@ -130,7 +130,8 @@ def offline(args: argparse.Namespace, model_dir: str) -> dict:
 
 
 def served(args: argparse.Namespace, model_dir: str) -> dict:
-    extra = ("--enforce-eager " if args.enforce_eager else "") + f"--async-scheduling {args.async_scheduling}"
+    extra = (("--enforce-eager " if args.enforce_eager else "") + f"--async-scheduling {args.async_scheduling} "
+             + args.serve_args)
     spec = redserve_spec(args.redserve_cmd, model_dir, args.dtype, free_port(), SERVED_NAME,
                          args.input_len + args.output_len + 64, extra)
     out = {}
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-scheduling", choices=list(ASYNC), default="auto",
                         help="overlap each step's scheduling with the last one's device work (auto: on for CUDA)")
     parser.add_argument("--redserve-cmd", default=f"{sys.executable} -m redserve.cli")
+    parser.add_argument("--serve-args", default="", help="more `redserve serve` flags, e.g. '--api-workers 8'")
     parser.add_argument("--log-dir", default="/tmp/bench-gpu-logs")
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also print the profiler's top N ops by device time in steady decode (batch and 1)")

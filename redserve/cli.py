@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-workers", type=int, default=2)
+    p.add_argument("--api-workers", type=int, default=None,
+                   help="API worker processes (default: a quarter of the cores, 2 to 8)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every API route but /health, /readyz, /livez "

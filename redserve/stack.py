@@ -121,6 +121,13 @@ class RedisWatch:
             self.on_restart(self.NAME)
 
 
+def api_workers(cores: int) -> int:
+    """API worker processes by default: a quarter of the node's cores, at least 2 and at most 8. Each streams
+    with one GIL; measured on a 2-core EPYC, the API spent ~134 us of CPU per streamed token (detokenize,
+    JSON, one SSE write, queue hand-offs), so 2 workers cap a fast GPU engine near 15k tokens/s."""
+    return max(2, min(8, cores // 4))
+
+
 def engine_threads(cores: int, dp_size: int) -> int:
     """Torch threads per DP engine: the node's cores split over its engines."""
     return max(1, cores // dp_size)
@@ -159,7 +166,7 @@ class Stack:
                                               *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES)),
                         self._engine_env(rank), stop_timeout=ENGINE_DRAIN_TIMEOUT + 10)
         api = ["api", "--model", args.model, "--host", args.host, "--port", str(args.port),
-               "--workers", str(args.api_workers), "--max-queued-requests", str(args.max_queued_requests)]
+               "--workers", str(args.api_workers or api_workers(os.cpu_count() or 1)), "--max-queued-requests", str(args.max_queued_requests)]
         if args.served_model_name:
             api += ["--served-model-name", args.served_model_name]
         api += _flags(args, ["tool_call_parser", "max_migrations"], ["public_metrics", "trust_request_chat_template",

@@ -168,7 +168,7 @@ def test_a_server_that_does_not_start_is_reported_and_the_run_fails(tmp_path: Pa
 
 def test_the_gpu_table_puts_each_figure_beside_its_target_and_floor() -> None:
     args = SimpleNamespace(batch=256, input_len=128, output_len=128, dtype="bfloat16", hbm_tbps=4.8,
-                           enforce_eager=False)
+                           enforce_eager=False, async_scheduling="auto")
     result = {"device": "cuda:0", "weight_bytes": 2.4e9, "offline_batch_tok_s": 60_000.0,
               "offline_batch_ms_per_step": 4.0, "offline_batch1_ms_per_token": 1.2, "matmul_only_ms_per_step": 1.15,
               "busy_fraction": 0.9, "cpu_ms_per_step": 1.0, "device_ms_per_step": 3.6, "wall_ms_per_step": 4.0,
@@ -183,7 +183,7 @@ def test_the_gpu_table_puts_each_figure_beside_its_target_and_floor() -> None:
     assert "| 90% | >= 0.85 |" in rows["steady decode: device busy / wall"]
     assert "1.40 / 700 | <= 1.5 ms | TPOT floor 0.50 ms" in rows["served c=1, TPOT p50 ms / output tok/s"]
     assert "(2 failed) | >= 25,000 tok/s" in rows["served c=64, TPOT p50 ms / output tok/s"]
-    assert "CUDA graphs on" in text
+    assert "CUDA graphs on, async scheduling auto" in text
     on_cpu = bench_gpu_table(args, {**result, "device": "cpu", "busy_fraction": None, "device_ms_per_step": None,
                                     "served": {}})
     assert "| n/a | >= 0.85 |" in on_cpu and "CUDA graphs off" in on_cpu and "served" not in on_cpu

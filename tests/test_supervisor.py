@@ -78,3 +78,8 @@ def test_children_get_the_redis_url_and_api_key_through_the_environment(tmp_path
         assert "redis-secret" not in argv and API_KEY not in argv and "--redis-url" not in argv, argv
         assert spec.env["REDSERVE_REDIS_URL"] == url
         assert (spec.env.get("REDSERVE_API_KEY") == API_KEY) == (spec.name == "api")
+
+
+def test_api_workers_default_scales_with_cores() -> None:
+    from redserve.stack import api_workers
+    assert [api_workers(c) for c in (1, 2, 8, 16, 32, 64, 256)] == [2, 2, 2, 4, 8, 8, 8]
