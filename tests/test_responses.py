@@ -327,7 +327,10 @@ def test_text_input_with_instructions_cut_by_max_output_tokens(client, model, ba
     assert reply.text.format.type == "text" and reply.parallel_tool_calls is True
     usage = reply.usage
     assert usage.output_tokens == 5 and usage.total_tokens == usage.input_tokens + 5
-    assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
+    # Prefix-cache hits are whole 16-token blocks, and an earlier test may have cached this chat template's start
+    # (the exact counts: tests/test_cached_tokens.py).
+    cached = usage.input_tokens_details.cached_tokens
+    assert cached % 16 == 0 and 0 <= cached < usage.input_tokens and usage.output_tokens_details.reasoning_tokens == 0
     assert usage.input_tokens == prompt_tokens(base_url, [{"role": "system", "content": "Be brief."},
                                                           {"role": "user", "content": "Tell me a story."}])
     assert generated_tokens(base_url) - generated_before == 5  # counted in /metrics as the other endpoints
