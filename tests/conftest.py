@@ -253,6 +253,20 @@ def api_stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
+def client(api_stack: ApiStack):
+    """An openai client of the session's API stack (its key, no retries). A test module that runs its own
+    stack defines its own ``client``."""
+    from openai import OpenAI
+    return OpenAI(base_url=f"{api_stack.base_url}/v1", api_key=ApiStack.API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The served model's name, as /v1/models lists it."""
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir: str):
     """The tiny model's `api.tokenizer.ModelTokenizer` (the API tests' fake-broker apps use it)."""
     from api.tokenizer import ModelTokenizer

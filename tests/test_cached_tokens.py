@@ -13,7 +13,6 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from openai import OpenAI
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
@@ -24,16 +23,6 @@ from broker.registry import EngineRegistry
 KEY = "test-key"
 STORY = ("The lighthouse keeper counted the ships that passed the rocks each night, wrote their names in a "
          "book with a green cover, and sent the book to the harbour master at the end of every month. ") * 4
-
-
-@pytest.fixture(scope="module")
-def client(api_stack) -> OpenAI:
-    return OpenAI(base_url=f"{api_stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 import requests
 import torch
 from engine_helpers import hf_model, make_llm, random_prompt
-from openai import OpenAI
 
 from broker.messages import EngineOutputs, RequestOutput, decode, encode
 from engine import SamplingParams
@@ -80,11 +79,6 @@ def test_prefix_cache_hit_does_not_skip_prompt_positions(llama_dir) -> None:
 
 
 # --- through the real stack -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def client(api_stack) -> OpenAI:
-    return OpenAI(base_url=f"{api_stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
 
 def _completion(api_stack, **body) -> dict:
     r = requests.post(f"{api_stack.base_url}/v1/completions", json={"model": api_stack.model_dir, **body},

@@ -40,16 +40,6 @@ def check_person(text: str) -> None:
     assert value["pet"] in ("cat", "dog", "none") and type(value["admin"]) is bool
 
 
-@pytest.fixture(scope="module")
-def client(api_stack) -> OpenAI:
-    return OpenAI(base_url=f"{api_stack.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def chat(client: OpenAI, model: str, **kwargs):
     kwargs.setdefault("max_tokens", 120)
     return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Describe a person."}],
