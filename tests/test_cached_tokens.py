@@ -20,7 +20,6 @@ from openai.types.responses import Response
 from broker.connection import connect
 from broker.registry import EngineRegistry
 
-KEY = "test-key"
 STORY = ("The lighthouse keeper counted the ships that passed the rocks each night, wrote their names in a "
          "book with a green cover, and sent the book to the harbour master at the end of every month. ") * 4
 

@@ -17,7 +17,6 @@ from openai import OpenAI
 from engine.structured_output import StructuredOutputs
 from protocol.grammar_spec import grammar_from_spec, spec_error
 
-KEY = "test-key"
 PERSON = {
     "type": "object",
     "properties": {
