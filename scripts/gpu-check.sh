@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks, for a host with at least one NVIDIA GPU (`make gpu-check`): the engine, model, TP, PP (NCCL; 2+ GPUs) and
-# parity tests on CUDA, the Triton attention kernels compiled and in bfloat16 among them, CUDA graph capture (they pick CUDA by
+# parity tests on CUDA, the Triton attention kernels compiled and in bfloat16 among them, CUDA graph capture, async scheduling (they pick CUDA by
 # themselves when it is present; TP tests skip when there are fewer GPUs than they need), then the GPU
 # table (benchmarks/bench_gpu.py) and an eager decode benchmark. Exits non-zero, with a message, when torch sees no CUDA device.
 #
@@ -27,7 +27,7 @@ then
 fi
 
 echo "gpu-check: tests on CUDA"
-"$PY" -m pytest -q -x -rs tests/test_cuda_path.py tests/test_triton_attention.py tests/test_triton_ops.py tests/test_cuda_graphs.py tests/test_engine_core.py tests/test_engine_models.py \
+"$PY" -m pytest -q -x -rs tests/test_cuda_path.py tests/test_triton_attention.py tests/test_triton_ops.py tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_engine_core.py tests/test_engine_models.py \
     tests/test_tiny_model.py tests/test_tensor_parallel.py tests/test_dp_tp.py tests/test_pipeline_parallel.py \
     tests/test_worker_hosts.py "$@"
 
