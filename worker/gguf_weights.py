@@ -24,8 +24,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from worker.layers.quantized_linear import BlockFormat
+from worker.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight
 from worker.pipeline import MissingLayer
 
 logger = logging.getLogger(__name__)
@@ -129,6 +134,10 @@ def load_quantized_weights(model: nn.Module, gguf_path: str) -> set[str]:
         if quantized is not module:
             parent, _, attr = prefix.rpartition(".")
             setattr(model.get_submodule(parent), attr, quantized)
+    formats = Counter(m.weight.fmt.name for m in model.modules()
+                      if isinstance(getattr(m, "weight", None), BlockQuantizedWeight))
+    logger.info("GGUF: %d layers served as blocks %s (%.1f MB)", sum(formats.values()), dict(formats),
+                sum(b.nbytes for b in model.buffers() if b.dtype == torch.uint8) / 1e6)
     if kept_float:
         logger.info("GGUF: %d layers kept as float weights (their tensor types: %s; served quantized: %s)",
                     sum(kept_float.values()), dict(kept_float), [f.name for f in BlockFormat])

@@ -29,7 +29,7 @@ from torch import nn
 from worker.kernels import load_extension
 
 BLOCK = 32  # weights a block
-KERNEL_MAX_ROWS = 16  # more rows: dequantized tiles and F.linear's GEMM (measured crossover, README)
+KERNEL_MAX_ROWS = 256  # more rows (prefill): dequantized tiles and F.linear's GEMM, about even at 1024 rows here
 TILE_WEIGHTS = 1 << 22  # weights a dequantized tile holds in the F.linear path (16 MiB of float32)
 
 
@@ -46,19 +46,18 @@ class BlockFormat(IntEnum):
 
 
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * 32] in ``dtype``."""
+    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * 32]: computed in float32
+    (exact: the gguf package's values), then rounded once to ``dtype``."""
     shape = blocks.shape[:-1]
     b = blocks.reshape(*shape, -1, fmt.block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()
+    halves = b.view(torch.float16)  # every block is an even number of bytes: its scales are aligned halves
+    d = halves[..., 0:1].float()
     if fmt is BlockFormat.Q8_0:
-        w = d * b[..., 2:].contiguous().view(torch.int8).float()
+        w = b[..., 2:].view(torch.int8).float() * d
     else:
         nibbles = b[..., 4:] if fmt is BlockFormat.Q4_1 else b[..., 2:]
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
-        if fmt is BlockFormat.Q4_1:
-            w = d * q + b[..., 2:4].contiguous().view(torch.float16).float()
-        else:
-            w = d * (q - 8)
+        w = torch.addcmul(halves[..., 1:2].float(), q, d) if fmt is BlockFormat.Q4_1 else (q - 8) * d
     return w.reshape(*shape, -1).to(dtype)
 
 
