@@ -17,6 +17,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 
@@ -72,7 +73,10 @@ class GGUFTensors:
         if self.arch in PERMUTED_ARCHITECTURES and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = self.heads if gguf_name.endswith(".attn_q.weight") else self.kv_heads
             data = data.reshape(heads, data.shape[0] // heads // 2, 2, data.shape[1]).swapaxes(1, 2)
-        return torch.from_numpy(np.array(data).reshape(-1, data.shape[-1]))  # a copy: the map is read-only
+            data = data.reshape(-1, data.shape[-1])  # a copy of this one tensor
+        with warnings.catch_warnings():  # the map is read-only and torch warns about that: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(data)
 
 
 def _sources(model: nn.Module, prefix: str, module: nn.Module) -> list[tuple[str | None, str]]:

@@ -5,10 +5,14 @@
 //   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes nibbles  w = d * q + m
 // (a nibble byte j holds weight j in its low half and weight j + 16 in its high half).
 //
-// The rows of x are first quantized to int8 per block of 32, as llama.cpp's q8 activations: a = max |x|,
-// e = a / 127, q = round(x / e), so |x - e q| <= e / 2; each block also keeps s = e * sum(q). A block's dot
-// product is then an integer sum over 32 int8 x int8 (Q8_0) or uint4 x int8 (Q4) products, scaled by d * e:
-//   Q8_0: d e sum(qw qx)      Q4_1: d e sum(qw qx) + m s      Q4_0 as Q4_1 with m = -8 d.
+// The rows of x are first quantized to int8 per block of 32, as llama.cpp's q8 activations, and then once
+// more: a = max |x|, e = a / 127, q = round(x / e), and the remainder r = x - e q (|r| <= e / 2) as
+// q' = round(r * 256 / e) clamped to [-127, 127], so x = e (q + q' / 256) within e / 256 (llama.cpp's q8
+// alone leaves e / 2: on SmolLM2 that flips greedy near-ties, 0.08 logits apart, that the float model keeps).
+// Each block also keeps s = e (sum(q) + sum(q') / 256). A block's dot product is then integer sums over
+// 32 int8 x int8 (Q8_0) or uint4 x int8 (Q4) products, 256 sum(qw q) + sum(qw q') (exact in int32), scaled
+// by d * e / 256:
+//   Q8_0: d e' sum      Q4_1: d e' sum + m s      Q4_0 as Q4_1 with m = -8 d      (e' = e / 256)
 // The integer sums: AVX-512 VNNI vpdpbusd (unsigned x signed bytes into int32, no saturation); else AVX2
 // vpmaddubsw + vpmaddwd (int16 pairs cannot saturate here: |qw| <= 127 after the sign trick or <= 15, |qx| <= 127);
 // else the plain loop. Which path a build takes follows the CPU it is built for (-march=native; the build
@@ -19,8 +23,8 @@
 //
 // Rules: x [M, K] float32 or bfloat16 contiguous, K a multiple of 32; blocks uint8 [N, K / 32 * block bytes]
 // contiguous; out [M, N] of x's dtype; bias [N] of x's dtype or none. The error against the float product of
-// the dequantized weights is the activation rounding above: at most sum over blocks of e / 2 * sum |w|, plus
-// float32 summation (tests/test_quant_gemm.py).
+// the dequantized weights is the activation rounding above: at most sum over blocks of e / 256 * sum |w|, plus
+// float32 rounding (the bound is derived in tests/test_quant_gemm.py).
 
 #include <torch/extension.h>
 
@@ -65,12 +69,13 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// The rows of x as int8 blocks: q [M, K], e and s [M, K / 32].
+// The rows of x as int8 blocks: q and the remainder's q' [M, K], e / 256 and s [M, K / 32].
 struct QuantizedRows {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, rest;
   std::vector<float> e, s;
   int64_t k = 0, blocks = 0;
   const int8_t* qrow(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
+  const int8_t* rest_row(int64_t row, int64_t b) const { return rest.data() + row * k + b * kBlock; }
   float scale(int64_t row, int64_t b) const { return e[row * blocks + b]; }
   float sum(int64_t row, int64_t b) const { return s[row * blocks + b]; }
 };
@@ -83,6 +88,7 @@ void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
   out.k = k;
   out.blocks = k / kBlock;
   out.q.resize(m * k);
+  out.rest.resize(m * k);
   out.e.resize(m * out.blocks);
   out.s.resize(m * out.blocks);
   at::parallel_for(0, m * out.blocks, 256, [&](int64_t first, int64_t last) {
@@ -94,14 +100,16 @@ void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
         amax = std::max(amax, std::fabs(v[j]));
       }
       const float e = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* q = out.q.data() + i * kBlock;
+      int8_t *q = out.q.data() + i * kBlock, *rest = out.rest.data() + i * kBlock;
       int sum = 0;
       for (int64_t j = 0; j < kBlock; ++j) {
         q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        sum += q[j];
+        const float r = std::nearbyint((v[j] - e * q[j]) * inv * 256.f);
+        rest[j] = static_cast<int8_t>(std::clamp(r, -127.f, 127.f));
+        sum += 256 * q[j] + rest[j];
       }
-      out.e[i] = e;
-      out.s[i] = e * static_cast<float>(sum);
+      out.e[i] = e / 256.f;
+      out.s[i] = e / 256.f * static_cast<float>(sum);
     }
   });
 }
@@ -171,10 +179,11 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
   for (int j = 0; j < XS; ++j)
     for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
-    __m256i xq[XS];
+    __m256i xq[XS], xr[XS];
     float xe[XS];
     for (int j = 0; j < XS; ++j) {
       xq[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qrow(x0 + j, b)));
+      xr[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.rest_row(x0 + j, b)));
       xe[j] = x.scale(x0 + j, b);
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -182,7 +191,8 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
       _mm_prefetch(reinterpret_cast<const char*>(p + ROWS * row_bytes), _MM_HINT_T0);  // the next tile
       const Block blk(p);
       for (int j = 0; j < XS; ++j) {
-        const __m256 prod = _mm256_cvtepi32_ps(blk.dot(xq[j]));
+        const __m256i sum = _mm256_add_epi32(_mm256_slli_epi32(blk.dot(xq[j]), 8), blk.dot(xr[j]));
+        const __m256 prod = _mm256_cvtepi32_ps(sum);
         acc[j][r] = _mm256_fmadd_ps(prod, _mm256_set1_ps(blk.d * xe[j]), acc[j][r]);
         if constexpr (Block::kHasMin) mins[j][r] += blk.m * x.sum(x0 + j, b);
       }
@@ -201,15 +211,17 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
       float total = 0.f;
       for (int64_t b = 0; b < x.blocks; ++b) {
         const uint8_t* p = w + r * row_bytes + b * bytes;
-        const int8_t* q = x.qrow(x0 + j, b);
+        const int8_t *q = x.qrow(x0 + j, b), *rest = x.rest_row(x0 + j, b);
         int32_t dot = 0;
         float d = half_to_float(p), m = 0.f;
         if constexpr (F == Format::kQ8_0) {
-          for (int i = 0; i < kBlock; ++i) dot += static_cast<int8_t>(p[2 + i]) * q[i];
+          for (int i = 0; i < kBlock; ++i) dot += static_cast<int8_t>(p[2 + i]) * (256 * q[i] + rest[i]);
         } else {
           const uint8_t* nib = p + (F == Format::kQ4_1 ? 4 : 2);
           m = F == Format::kQ4_1 ? half_to_float(p + 2) : -8.f * d;
-          for (int i = 0; i < kBlock / 2; ++i) dot += (nib[i] & 0x0F) * q[i] + (nib[i] >> 4) * q[i + 16];
+          for (int i = 0; i < kBlock / 2; ++i) {
+            dot += (nib[i] & 0x0F) * (256 * q[i] + rest[i]) + (nib[i] >> 4) * (256 * q[i + 16] + rest[i + 16]);
+          }
         }
         total += d * x.scale(x0 + j, b) * static_cast<float>(dot) + m * x.sum(x0 + j, b);
       }
