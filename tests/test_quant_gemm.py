@@ -161,8 +161,15 @@ def weight_of(fmt: BlockFormat, blocks: np.ndarray, k: int, dtype=torch.float32)
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_the_torch_path_equals_the_float_product(monkeypatch, fmt, m, n, k) -> None:
-    """The fallback dequantizes a tile of rows at a time (a small tile here: several tiles and a tail)."""
+@pytest.mark.parametrize("dequantizer", ["kernel", "torch"])
+def test_the_tiled_path_equals_the_float_product(monkeypatch, fmt, m, n, k, dequantizer) -> None:
+    """Many rows (or no kernel): a tile of weight rows at a time is dequantized (by the kernel's
+    ``dequantize_rows``, or in torch without it) and multiplied in float (a small tile here: several tiles
+    and a tail)."""
+    if dequantizer == "kernel" and quant_gemm_kernel() is None:
+        pytest.skip("the quant_gemm kernel does not build here")
+    if dequantizer == "torch":
+        monkeypatch.setattr(quantized_linear, "quant_gemm_kernel", lambda: None)
     monkeypatch.setattr(quantized_linear, "TILE_WEIGHTS", 5 * k)
     blocks, w = quantized(fmt, n, k, seed=n)
     x, b = activations(m, k, seed=m), torch.randn(n)
@@ -179,6 +186,16 @@ def test_the_layer_takes_the_kernel_for_few_rows_and_the_torch_path_for_many(ker
     assert torch.equal(quant_linear(many, weight), tiled_linear(many, weight))
     monkeypatch.setattr(quantized_linear, "quant_gemm_kernel", lambda: None)  # no compiler: the torch path
     assert torch.equal(quant_linear(few, weight), tiled_linear(few, weight))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_the_kernel_dequantizes_rows_as_the_gguf_package(kernel, fmt) -> None:
+    """Exact but for Q4_1's d * q + m, which the kernel rounds once (an FMA) where numpy rounds twice."""
+    blocks, w = quantized(fmt, 77, 32 * 3, seed=9)
+    out = torch.full((77, 96), float("nan"))
+    kernel.dequantize_rows(out, torch.from_numpy(blocks), int(fmt))
+    ulp = torch.from_numpy(w).abs() * 2 ** -23 if fmt is BlockFormat.Q4_1 else 0
+    assert ((out.double() - torch.from_numpy(w)).abs() <= ulp).all()
 
 
 def test_embedding_rows_dequantize_in_the_model_dtype() -> None:

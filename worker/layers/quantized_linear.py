@@ -12,8 +12,9 @@ Rules:
   ``quant_gemm`` C++ kernel (worker/kernels/csrc/quant_gemm.cpp: x quantized to int8 per block of 32, int8
   dot products, per-block scales), within the activation rounding of the float product. Elsewhere (more
   rows, no compiler, ``REDSERVE_NO_KERNELS`` naming ``quant_gemm``, CUDA): the weight dequantized
-  ``TILE_WEIGHTS`` at a time into x's dtype and multiplied with ``F.linear`` (float rounding only), so no
-  whole float copy of the weight is ever made.
+  ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's ``dequantize_rows`` where it is built, else in
+  torch) and multiplied with ``F.linear`` (float rounding only), so no whole float copy of the weight is
+  ever made.
 - `QuantizedGemm` is the ``gemm`` of a layer whose weight is a `BlockQuantizedWeight` (the interface of
   ``packed_gemm.PackedWeight``: ``matmul(x, weight, bias)``, ``invalidate()``).
 """
@@ -29,7 +30,8 @@ from torch import nn
 from worker.kernels import load_extension
 
 BLOCK = 32  # weights a block
-KERNEL_MAX_ROWS = 256  # more rows (prefill): dequantized tiles and F.linear's GEMM, about even at 1024 rows here
+KERNEL_MAX_ROWS = 32  # more rows: dequantized tiles + F.linear (one thread's CPU time here: even at 32-64 rows,
+# 2x faster at 128-512: the prefill of a 128-token prompt took twice as long through the int8 path)
 TILE_WEIGHTS = 1 << 22  # weights a dequantized tile holds in the F.linear path (16 MiB of float32)
 
 
@@ -104,13 +106,20 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
 
 
 def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path: ``TILE_WEIGHTS`` of the weight dequantized at a time into x's dtype, ``F.linear`` each."""
+    """``TILE_WEIGHTS`` of the weight dequantized at a time into x's dtype (by the kernel's ``dequantize_rows``
+    where it is built, else in torch), ``F.linear`` each."""
     n = weight.blocks.shape[0]
     step = max(1, TILE_WEIGHTS // weight.in_features)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    kernel = quant_gemm_kernel() if x.device.type == "cpu" else None
     for first in range(0, n, step):
         last = min(n, first + step)
-        tile = dequantize(weight.blocks[first:last], weight.fmt, x.dtype)
+        if kernel is not None:
+            tile = torch.empty(last - first, weight.in_features)
+            kernel.dequantize_rows(tile, weight.blocks[first:last], int(weight.fmt))
+            tile = tile.to(x.dtype)
+        else:
+            tile = dequantize(weight.blocks[first:last], weight.fmt, x.dtype)
         out[:, first:last] = F.linear(x, tile, None if bias is None else bias[first:last])
     return out
 

@@ -311,8 +311,47 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
   }
 }
 
+// out[r] = the weights of blocks row r, as float32: the gguf package's values (Q4_1's d * q + m within one
+// rounding: one FMA where numpy rounds twice). For many rows of x, where a float GEMM beats the int8 path.
+void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
+  const auto f = static_cast<Format>(ggml_type);
+  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1,
+              "dequantize_rows: GGML type ", ggml_type, " is not Q8_0, Q4_0 or Q4_1");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && out.scalar_type() == torch::kFloat && blocks.dim() == 2 &&
+                  out.dim() == 2 && blocks.is_contiguous() && out.is_contiguous(),
+              "dequantize_rows: uint8 blocks [N, B] and float32 out [N, K], contiguous");
+  const int64_t n = blocks.size(0), row_bytes = blocks.size(1), bytes = block_bytes(f);
+  const int64_t nb = row_bytes / bytes, k = nb * kBlock;
+  TORCH_CHECK(row_bytes % bytes == 0 && out.size(0) == n && out.size(1) == k, "dequantize_rows: shape mismatch");
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n * nb, 1024, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const uint8_t* p = src + i * bytes;
+      float* w = dst + i * kBlock;
+      const float d = half_to_float(p);
+      if (f == Format::kQ8_0) {
+        for (int64_t j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(p[2 + j]));
+        continue;
+      }
+      const uint8_t* nib = p + (f == Format::kQ4_1 ? 4 : 2);
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        if (f == Format::kQ4_1) {
+          const float m = half_to_float(p + 2);
+          w[j] = std::fma(static_cast<float>(nib[j] & 0x0F), d, m);
+          w[j + 16] = std::fma(static_cast<float>(nib[j] >> 4), d, m);
+        } else {
+          w[j] = static_cast<float>((nib[j] & 0x0F) - 8) * d;
+          w[j + 16] = static_cast<float>((nib[j] >> 4) - 8) * d;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q8_0 / Q4_0 / Q4_1 blocks");
+  m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 block rows");
 }
