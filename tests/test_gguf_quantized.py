@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from engine_helpers import smollm2_gguf_file
+from engine_helpers import greedy, make_llm, smollm2_gguf_file
 from test_quant_gemm import error_bound
 
 from engine.config import EngineConfig
@@ -147,3 +147,19 @@ def test_a_tied_head_multiplies_the_embedding_blocks(quantized) -> None:
     weight = dequantize(head.weight.blocks, head.weight.fmt, torch.float64)
     assert logits.shape == (2, 49152)
     assert ((logits - hidden.double() @ weight.T).abs() <= error_bound(hidden, weight.numpy())).all()
+
+
+def test_tensor_parallel_3_serves_the_blocks_with_the_tp1_greedy_tokens(gguf_file: str) -> None:
+    """Three worker processes (9 heads, 3 KV heads, 576 = 3 x 192 and 1536 = 3 x 512 input features: whole
+    blocks each), the real shared-memory all-reduce: the same greedy tokens as one process."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    tokens = {}
+    for tp in (1, 3):
+        llm = make_llm(gguf_file, tensor_parallel_size=tp, dtype="float32")
+        try:
+            assert llm.config.quantization == "gguf"
+            ids = [llm.get_tokenizer().encode(p) for p in prompts]
+            tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(ids, greedy(8), use_tqdm=False)]
+        finally:
+            llm.shutdown()
+    assert tokens[3] == tokens[1]
