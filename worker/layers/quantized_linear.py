@@ -30,9 +30,9 @@ from torch import nn
 from worker.kernels import load_extension
 
 BLOCK = 32  # weights a block
-KERNEL_MAX_ROWS = 32  # more rows: dequantized tiles + F.linear (one thread's CPU time here: even at 32-64 rows,
-# 2x faster at 128-512: the prefill of a 128-token prompt took twice as long through the int8 path)
-TILE_WEIGHTS = 1 << 22  # weights a dequantized tile holds in the F.linear path (16 MiB of float32)
+KERNEL_MAX_ROWS = 16  # more rows: dequantized tiles + F.linear; even at 16 rows, 1.5-1.9x faster at 64-512
+# (one thread's CPU time, SmolLM2's Q4_1 shapes, 4 Dec 2026)
+TILE_WEIGHTS = 1 << 18  # weights a dequantized tile holds in the F.linear path (1 MiB of float32: stays in L2)
 
 
 class BlockFormat(IntEnum):
