@@ -1,6 +1,7 @@
 """Where a decode step's time goes: matmuls, attention, and the rest, at batch 1 and batch 64.
 
-    python benchmarks/step_split.py [--model DIR] [--dtype float32] [--batches 1,64] [--steps 8]
+    python benchmarks/step_split.py [--model DIR|FILE.gguf] [--dtype float32] [--batches 1,64] [--steps 8]
+                                    [--quantization auto|none|gguf]
 
 Runs the engine in this process (``LLM``, in-process executor), brings B requests into decode, then
 times a few ``EngineCore.step()`` calls plainly (the step ms) and once more under ``torch.profiler``
@@ -177,6 +178,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
+                        help="a GGUF file: its blocks (auto/gguf) or its dequantized conversion (none)")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
@@ -184,9 +187,11 @@ def main() -> None:
     from engine import LLM
     from engine.tiny_model import ensure_default_model
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches))
+    llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches),
+              quantization=args.quantization)
     try:
-        print(f"model={llm.config.model} dtype={args.dtype} threads={torch.get_num_threads()} "
+        print(f"model={llm.config.model} dtype={args.dtype} quantization={llm.config.quantization} "
+              f"threads={torch.get_num_threads()} "
               f"input_len={args.input_len} steps={args.steps}")
         for batch in batches:
             step_ms, totals = measure(llm, batch, args.input_len, args.steps)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from broker.model_source import resolve_model_dir
+from broker.model_source import is_gguf, resolve_model_dir
 from engine.dtype_choice import DtypeChoice, choose_dtype
 
 _DTYPES = {
@@ -20,6 +20,7 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 
 @dataclass
@@ -30,6 +31,11 @@ class EngineConfig:
     ``max_model_len`` None means the model's ``max_position_embeddings``. ``kv_cache_memory`` is the KV
     budget in bytes on CPU (default 1 GiB, or ``REDSERVE_CPU_KV_CACHE_BYTES``); on CUDA the budget is
     ``gpu_memory_utilization`` of the device minus what the weights and activations take.
+
+    ``quantization``: ``gguf`` serves a GGUF file's Q8_0/Q4_0/Q4_1 tensors as their blocks
+    (``worker.gguf_weights``; CPU only), ``none`` its dequantized conversion, ``auto`` (the default) follows
+    the file: ``gguf`` for a GGUF on the CPU, else ``none``. ``gguf_file`` is the GGUF that ``model`` was
+    converted from (set here; carried to the workers with the rest).
     """
 
     model: str
@@ -52,8 +58,12 @@ class EngineConfig:
     # Overlapped steps (``engine.scheduler``): None = on where it pays, a CUDA engine that runs its model in its
     # own process (TP = PP = 1); True forces it (on a CPU it overlaps nothing but runs the same code: the tests).
     async_scheduling: bool | None = None
+    quantization: str = "auto"
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
+        if is_gguf(self.model):
+            self.gguf_file = os.path.abspath(self.model)
         self.model = resolve_model_dir(self.model)  # a GGUF file: its converted HF directory (cached)
         path = Path(self.model)
         if not path.is_dir():
@@ -88,6 +98,23 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kv_cache_memory is None and self.device == "cpu":
             self.kv_cache_memory = int(os.environ.get("REDSERVE_CPU_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES))
+        self.quantization = self._resolve_quantization()
+
+    def _resolve_quantization(self) -> str:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unsupported quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization == "auto":
+            return "gguf" if self.gguf_file is not None and self.device == "cpu" else "none"
+        if self.quantization == "gguf" and self.gguf_file is None:
+            raise ValueError("--quantization gguf needs a GGUF file as --model")
+        if self.quantization == "gguf" and self.device != "cpu":
+            raise ValueError("--quantization gguf runs on the CPU only; use --quantization none on CUDA")
+        return self.quantization
+
+    @property
+    def quantized_gguf_file(self) -> str | None:
+        """The GGUF file whose blocks the workers serve, or None (float weights from ``model``)."""
+        return self.gguf_file if self.quantization == "gguf" else None
 
     @property
     def use_async_scheduling(self) -> bool:

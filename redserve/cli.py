@@ -22,6 +22,9 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's bf16/fp16 on a GPU; on a CPU bf16 only for a bf16/fp16 checkpoint "
                         "on a CPU with AMX/AVX512-BF16, else float32 (README 'dtype'; the choice is logged)")
     g.add_argument("--device", default=env("REDSERVE_DEVICE", "auto"), help="auto, cpu or cuda")
+    g.add_argument("--quantization", default=env("REDSERVE_QUANTIZATION", "auto"), choices=["auto", "none", "gguf"],
+                   help="auto: follow the file (a GGUF's Q8_0/Q4_0/Q4_1 tensors stay quantized on the CPU); "
+                        "none: serve the dequantized conversion; gguf: quantized (CPU only)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -58,7 +61,7 @@ def engine_config_from_args(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, remote_stages=getattr(args, "remote_stages", 0),
-        seed=args.seed, enforce_eager=args.enforce_eager,
+        seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
         async_scheduling={"on": True, "off": False}.get(getattr(args, "async_scheduling", "auto")))
 
 

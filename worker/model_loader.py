@@ -66,17 +66,24 @@ def weight_files(model_dir: str) -> list[Path]:
     return files
 
 
-def build_model(model_dir: str, config, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+def build_model(model_dir: str, config, dtype: torch.dtype, device: torch.device, max_positions: int,
+                gguf_file: str | None = None) -> nn.Module:
+    """The model with its weights; ``gguf_file``: serve that file's quantized tensors as blocks
+    (``worker.gguf_weights``), the rest from ``model_dir`` (its converted directory)."""
     arch = next(a for a in config.architectures if a in ARCHITECTURES)
     with torch.device(device):
         model = ARCHITECTURES[arch](config, dtype, device, max_positions)
     files = weight_files(model_dir)
+    quantized = set()
+    if gguf_file is not None:
+        from worker.gguf_weights import load_quantized_weights
+        quantized = load_quantized_weights(model, gguf_file)
     loaded = load_weights(model, files)
-    if "lm_head.weight" not in loaded and not isinstance(model.lm_head, MissingLayer):  # tied embeddings
+    if "lm_head.weight" not in loaded | quantized and not isinstance(model.lm_head, MissingLayer):  # tied
         if isinstance(model.embed_tokens, MissingLayer):  # a later pipeline stage: read the rows itself
             _load_tied_head(model.lm_head, files, model_dir)
         else:
-            model.lm_head.weight = model.embed_tokens.weight
+            model.lm_head.tie_to(model.embed_tokens)
         loaded.add("lm_head.weight")
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:

@@ -3,6 +3,13 @@
 Each layer holds only this rank's shard and loads it straight from the checkpoint (a safetensors
 slice is read partially). Column-parallel layers split output features; row-parallel layers split
 input features and all-reduce their partial sums. With TP = 1 they are plain linears.
+
+Rules:
+- A projection built with ``weight_format`` (a GGUF block format) holds its weight as blocks
+  (`worker.layers.quantized_linear.BlockQuantizedWeight`, filled by ``load_quantized``) and has no float
+  weight Parameter; the checkpoint's float copy of it is never read. Its TP split cuts whole 32-weight blocks:
+  a row-parallel shard whose input features are not a multiple of 32 is a ValueError.
+- A quantized embedding dequantizes the rows it looks up; a tied LM head shares its blocks (`tie_to`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.packed_gemm import MIN_ROWS, PackedWeight
+from worker.layers.quantized_linear import BLOCK, BlockFormat, BlockQuantizedWeight, QuantizedGemm
 from worker.layers.small_gemm import MAX_ROWS
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
@@ -38,18 +46,19 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b) with W's output rows split across ranks; ``shards`` lists the logical outputs
     packed into this layer (e.g. q, k, v) as (name, full_size) pairs, each split evenly."""
 
-    def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: torch.dtype,
+                 weight_format: BlockFormat | None = None):
         super().__init__()
         tp = tp_group()
+        self.in_features, self.shards, self.dtype = in_features, shards, dtype
         self.shard_sizes = {name: _divide(size, tp.size, name) for name, size in shards}
         self.shard_offsets: dict[str, int] = {}
         offset = 0
         for name, _ in shards:
             self.shard_offsets[name] = offset
             offset += self.shard_sizes[name]
-        self.weight = nn.Parameter(torch.empty(offset, in_features, dtype=dtype), requires_grad=False)
+        self.weight, self.gemm = _projection_weight(offset, in_features, dtype, weight_format)
         self.bias = nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False) if bias else None
-        self.gemm = PackedWeight(PROJECTION_MIN_ROWS)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str) -> None:
         size, rank = self.shard_sizes[shard], tp_group().rank
@@ -58,6 +67,12 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + size].copy_(_as_tensor(piece))
         self.gemm.invalidate()
 
+    def load_quantized(self, shard: str, blocks: torch.Tensor) -> None:
+        """This rank's rows of ``shard`` from the whole tensor's blocks [full_size, row bytes]."""
+        size, rank = self.shard_sizes[shard], tp_group().rank
+        offset = self.shard_offsets[shard]
+        self.weight.blocks[offset:offset + size].copy_(blocks[rank * size:(rank + 1) * size])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm.matmul(x, self.weight, self.bias)
 
@@ -65,12 +80,17 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shard^T) (+ b): input features split across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 weight_format: BlockFormat | None = None):
         super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.in_per_rank = _divide(in_features, tp_group().size, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
+        if weight_format is not None and self.in_per_rank % BLOCK:
+            raise ValueError(f"a {weight_format.name} weight splits over tensor_parallel_size {tp_group().size} "
+                             f"only on {BLOCK}-weight blocks, and {in_features} input features give "
+                             f"{self.in_per_rank} a rank; use another tensor_parallel_size or --quantization none")
+        self.weight, self.gemm = _projection_weight(out_features, self.in_per_rank, dtype, weight_format)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.gemm = PackedWeight(PROJECTION_MIN_ROWS)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str | None = None) -> None:
         if param is self.bias:
@@ -80,9 +100,22 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_as_tensor(loaded[:, rank * n:(rank + 1) * n]))
         self.gemm.invalidate()
 
+    def load_quantized(self, shard: str | None, blocks: torch.Tensor) -> None:
+        """This rank's input features (whole blocks) from the whole tensor's blocks [out, row bytes]."""
+        width = self.weight.blocks.shape[1]
+        self.weight.blocks.copy_(blocks[:, tp_group().rank * width:(tp_group().rank + 1) * width])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(self.gemm.matmul(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+def _projection_weight(rows: int, in_features: int, dtype: torch.dtype, weight_format: BlockFormat | None):
+    """A projection's weight and the gemm that multiplies it: float Parameter + packed copy, or GGUF blocks."""
+    if weight_format is None:
+        weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
+        return weight, PackedWeight(PROJECTION_MIN_ROWS)
+    return BlockQuantizedWeight(weight_format, rows, in_features, dtype), QuantizedGemm()
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -94,19 +127,36 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.per_rank = -(-vocab_size // tp.size)
         self.start = tp.rank * self.per_rank
+        self.hidden_size, self.dtype = hidden_size, dtype
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
+
+    def quantize(self, weight_format: BlockFormat) -> None:
+        """Hold the rows as GGUF blocks (filled by ``load_quantized``) instead of a float matrix."""
+        del self.weight
+        self.weight = BlockQuantizedWeight(weight_format, self.per_rank, self.hidden_size, self.dtype)
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str | None = None) -> None:
         end = min(self.start + self.per_rank, _shape(loaded)[0])
         if end > self.start:
             param.data[:end - self.start].copy_(_as_tensor(loaded[self.start:end]))
 
+    def load_quantized(self, shard: str | None, blocks: torch.Tensor) -> None:
+        """This rank's rows from the whole vocabulary's blocks (padding rows stay zero: they dequantize to 0)."""
+        end = min(self.start + self.per_rank, blocks.shape[0])
+        if end > self.start:
+            self.weight.blocks[:end - self.start].copy_(blocks[self.start:end])
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, BlockQuantizedWeight):
+            return self.weight.rows(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_group().size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 
@@ -126,6 +176,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str | None = None) -> None:
         super().load_shard(param, loaded, shard)
         self.gemm.invalidate()
+
+    def quantize(self, weight_format: BlockFormat) -> None:
+        super().quantize(weight_format)
+        self.gemm = QuantizedGemm()
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (its Parameter, or its blocks when quantized)."""
+        if isinstance(embedding.weight, BlockQuantizedWeight):
+            del self.weight
+            self.weight, self.gemm = embedding.weight, QuantizedGemm()
+        else:
+            self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = tp_all_gather_last_dim(self.gemm.matmul(hidden, self.weight))

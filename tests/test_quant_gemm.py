@@ -1,0 +1,207 @@
+"""GGUF block weights (worker/layers/quantized_linear.py) and their kernel (worker/kernels/csrc/quant_gemm.cpp)
+against the gguf package's own dequantization and a float64 matmul, per format, over odd shapes.
+
+The kernel's error bound, derived (not tuned): the kernel rounds each block of 32 values of a row of x to
+int8 with the scale e = max|x| / 127 and the remainder to int8 again with the scale e / 256 (clamped to
++-127), so each value moves by at most e / 256 (one unit where the clamp bites, half a unit elsewhere), plus
+the float32 rounding of the remainder before it is rounded: under 2^-23 |x|. The integer products are exact,
+so
+
+    |y - x . w| <= sum over blocks of  e_b 2^-8 (1 + 2^-10) * sum |w_i|  +  2^-23 |x| . |w|   (activations)
+                 + (K / 32 + 9) 2^-24 * 3 * sum over blocks of max|w_b| * (|x_b|_1 + 32 e_b)  (float32 sums)
+
+The second line: every term of the sum passes through at most K/32 + 9 float32 roundings (the int32 sum to
+float, the block scale d * e, a chain of K/32 FMAs, the horizontal sum, the min term), and the decomposed
+terms d*q and m of a weight are each at most 2 max|w_b| and max|w_b| (Q8_0: m = 0; Q4_0: m = -8 d; Q4_1:
+m = the block min). bfloat16 output adds one rounding: at most 2^-8 of |y| (8 significant bits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from worker.layers import quantized_linear
+from worker.layers.quantized_linear import (
+    KERNEL_MAX_ROWS,
+    BlockFormat,
+    BlockQuantizedWeight,
+    dequantize,
+    quant_gemm_kernel,
+    quant_linear,
+    tiled_linear,
+)
+
+FORMATS = list(BlockFormat)
+SHAPES = [(1, 1, 32), (3, 7, 96), (17, 13, 64), (1, 33, 96), (3, 517, 576), (17, 130, 1536)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = quant_gemm_kernel()
+    if module is None:
+        pytest.skip("the quant_gemm kernel does not build here (no compiler); the torch path serves")
+    return module
+
+
+def quantized(fmt: BlockFormat, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, the gguf package's dequantization of them) of a random [n, k] weight with per-row scales."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1)) + rng.uniform(-0.5, 0.5, (n, 1)))
+    blocks = quants.quantize(w.astype(np.float32), GGMLQuantizationType(int(fmt)))
+    return blocks, quants.dequantize(blocks, GGMLQuantizationType(int(fmt))).astype(np.float64)
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k // 32, 1, generator=g).repeat_interleave(32, -1).view(m, k)
+    x[:, :32] = 0  # an all-zero block: scale 0, no division by it
+    return x
+
+
+def error_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """The module docstring's bound, [M, N], for x [M, K] and the dequantized weight w [N, K]."""
+    m, k = x.shape
+    xb = x.double().view(m, k // 32, 32)
+    e = xb.abs().amax(-1) / 127  # [M, B]
+    wb = torch.from_numpy(w).view(w.shape[0], k // 32, 32)
+    w_abs_sum, w_max = wb.abs().sum(-1), wb.abs().amax(-1)  # [N, B]
+    activation = (e * 2 ** -8 * (1 + 2 ** -10)) @ w_abs_sum.T + 2 ** -23 * (x.double().abs() @ torch.from_numpy(w).abs().T)
+    floats = (k // 32 + 9) * 2 ** -24 * 3 * ((xb.abs().sum(-1) + 32 * e) @ w_max.T)
+    return activation + floats
+
+
+def run_kernel(kernel, x: torch.Tensor, blocks: np.ndarray, fmt: BlockFormat, bias=None) -> torch.Tensor:
+    out = torch.full((x.shape[0], blocks.shape[0]), float("nan"), dtype=x.dtype)
+    kernel.quant_linear(out, x, torch.from_numpy(blocks), int(fmt), bias)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("shape", [(n, k) for _, n, k in SHAPES] + [(1000, 32 * 3)])
+def test_dequantize_equals_the_gguf_package(fmt, shape) -> None:
+    blocks, reference = quantized(fmt, *shape, seed=shape[0])
+    got = dequantize(torch.from_numpy(blocks), fmt, torch.float32)
+    assert torch.equal(got.double(), torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_is_within_the_activation_rounding_of_the_float_product(kernel, fmt, m, n, k, bias) -> None:
+    blocks, w = quantized(fmt, n, k, seed=m * 7 + n)
+    x = activations(m, k, seed=n + k)
+    b = torch.randn(n) if bias else None
+    out = run_kernel(kernel, x, blocks, fmt, b)
+    exact = x.double() @ torch.from_numpy(w).T + (0 if b is None else b.double())
+    error = (out.double() - exact).abs()
+    bound = error_bound(x, w) + (0 if b is None else exact.abs() * 2 ** -23)
+    assert (error <= bound).all(), f"worst excess {float((error - bound).max())} at {divmod(int((error - bound).argmax()), n)}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_activations_round_to_nearest(kernel, fmt) -> None:
+    """The bound above is a worst case; the typical error is sharper. Rounding the remainder to nearest leaves
+    each value off by a uniform error in [-u/2, u/2], u = e / 256 (variance u^2 / 12), independent across
+    values, so an output's error has standard deviation sigma = sqrt(sum u_b^2 / 12 * sum w_i^2); over
+    2 x 2048 outputs the RMS of error / sigma is 1 within a few percent. Truncating would make it about 2."""
+    blocks, w = quantized(fmt, 2048, 576, seed=11)
+    x = activations(2, 576, seed=12)
+    error = run_kernel(kernel, x, blocks, fmt).double() - x.double() @ torch.from_numpy(w).T
+    e = x.double().view(2, -1, 32).abs().amax(-1) / 127 / 256
+    sigma = ((e ** 2 / 12) @ (torch.from_numpy(w) ** 2).view(2048, -1, 32).sum(-1).T).sqrt()
+    rms = float((error / sigma).pow(2).mean().sqrt())
+    assert 0.9 < rms < 1.1, rms
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,n,k", [(1, 33, 96), (3, 517, 576), (17, 13, 64)])
+def test_bfloat16_activations_round_the_result_once(kernel, fmt, m, n, k) -> None:
+    blocks, w = quantized(fmt, n, k, seed=m + n)
+    x = activations(m, k, seed=k).bfloat16()
+    out = run_kernel(kernel, x, blocks, fmt)
+    exact = x.double() @ torch.from_numpy(w).T
+    bound = error_bound(x.float(), w)
+    assert ((out.double() - exact).abs() <= bound + (exact.abs() + bound) * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_large_weight_split_over_threads_gives_the_same_bits(kernel, threads) -> None:
+    """Rows of W are split over torch's threads in 4-row tiles; each output is computed the same way
+    whoever computes it, and written once (NaN-filled out). 8191 rows leave a tail for the last task."""
+    blocks, _ = quantized(BlockFormat.Q4_1, 8191, 576, seed=1)
+    x = activations(3, 576, seed=2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_kernel(kernel, x, blocks, BlockFormat.Q4_1)
+        torch.set_num_threads(threads)
+        assert torch.equal(run_kernel(kernel, x, blocks, BlockFormat.Q4_1), single)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_kernel_refuses_what_it_cannot_multiply(kernel) -> None:
+    blocks, _ = quantized(BlockFormat.Q8_0, 4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        run_kernel(kernel, torch.randn(1, 96), blocks, BlockFormat.Q8_0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.quant_linear(torch.empty(1, 4), torch.randn(1, 48), torch.from_numpy(blocks), 8, None)
+    with pytest.raises(RuntimeError, match="not Q8_0"):  # 12: GGML's Q4_K, not served as blocks
+        kernel.quant_linear(torch.empty(1, 4), torch.randn(1, 64), torch.from_numpy(blocks), 12, None)
+
+
+def weight_of(fmt: BlockFormat, blocks: np.ndarray, k: int, dtype=torch.float32) -> BlockQuantizedWeight:
+    weight = BlockQuantizedWeight(fmt, blocks.shape[0], k, dtype)
+    weight.blocks.copy_(torch.from_numpy(blocks))
+    return weight
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("dequantizer", ["kernel", "torch"])
+def test_the_tiled_path_equals_the_float_product(monkeypatch, fmt, m, n, k, dequantizer) -> None:
+    """Many rows (or no kernel): a tile of weight rows at a time is dequantized (by the kernel's
+    ``dequantize_rows``, or in torch without it) and multiplied in float (a small tile here: several tiles
+    and a tail)."""
+    if dequantizer == "kernel" and quant_gemm_kernel() is None:
+        pytest.skip("the quant_gemm kernel does not build here")
+    if dequantizer == "torch":
+        monkeypatch.setattr(quantized_linear, "quant_gemm_kernel", lambda: None)
+    monkeypatch.setattr(quantized_linear, "TILE_WEIGHTS", 5 * k)
+    blocks, w = quantized(fmt, n, k, seed=n)
+    x, b = activations(m, k, seed=m), torch.randn(n)
+    exact = x.double() @ torch.from_numpy(w).T + b.double()
+    torch.testing.assert_close(tiled_linear(x, weight_of(fmt, blocks, k), b).double(), exact, rtol=1e-5, atol=1e-4)
+
+
+def test_the_layer_takes_the_kernel_for_few_rows_and_the_torch_path_for_many(kernel, monkeypatch) -> None:
+    blocks, w = quantized(BlockFormat.Q4_1, 40, 96, seed=3)
+    weight = weight_of(BlockFormat.Q4_1, blocks, 96)
+    few = activations(2, 96, seed=4)
+    assert torch.equal(quant_linear(few.view(1, 2, 96), weight).view(2, 40), run_kernel(kernel, few, blocks, weight.fmt))
+    many = activations(KERNEL_MAX_ROWS + 1, 96, seed=5)
+    assert torch.equal(quant_linear(many, weight), tiled_linear(many, weight))
+    monkeypatch.setattr(quantized_linear, "quant_gemm_kernel", lambda: None)  # no compiler: the torch path
+    assert torch.equal(quant_linear(few, weight), tiled_linear(few, weight))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_the_kernel_dequantizes_rows_as_the_gguf_package(kernel, fmt) -> None:
+    """Exact but for Q4_1's d * q + m, which the kernel rounds once (an FMA) where numpy rounds twice."""
+    blocks, w = quantized(fmt, 77, 32 * 3, seed=9)
+    out = torch.full((77, 96), float("nan"))
+    kernel.dequantize_rows(out, torch.from_numpy(blocks), int(fmt))
+    ulp = torch.from_numpy(w).abs() * 2 ** -23 if fmt is BlockFormat.Q4_1 else 0
+    assert ((out.double() - torch.from_numpy(w)).abs() <= ulp).all()
+
+
+def test_embedding_rows_dequantize_in_the_model_dtype() -> None:
+    blocks, w = quantized(BlockFormat.Q8_0, 50, 64, seed=6)
+    weight = weight_of(BlockFormat.Q8_0, blocks, 64, torch.bfloat16)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    rows = weight.rows(ids)
+    assert rows.dtype == torch.bfloat16 and rows.shape == (2, 2, 64)
+    assert torch.equal(rows, torch.from_numpy(w)[ids].bfloat16())

@@ -1,0 +1,134 @@
+"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1) and multiplied without a float copy.
+
+Why: a decode step at one stream reads every weight once, so its time follows the weight bytes; a Q4_1
+weight is 0.625 bytes a value against 4 (float32) or 2 (bfloat16). Measured on a 2-core AMD EPYC with
+avx512_vnni, see README "Quantized GGUF weights".
+
+Rules:
+- `BlockQuantizedWeight` holds a [rows, in_features] matrix as the file's blocks (uint8 [rows, row bytes]),
+  each row its ``in_features / 32`` blocks in GGML's layout; it dequantizes rows on demand (the embedding
+  lookup) in the model dtype.
+- `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, up to ``KERNEL_MAX_ROWS`` rows: the
+  ``quant_gemm`` C++ kernel (worker/kernels/csrc/quant_gemm.cpp: x quantized to int8 per block of 32, int8
+  dot products, per-block scales), within the activation rounding of the float product. Elsewhere (more
+  rows, no compiler, ``REDSERVE_NO_KERNELS`` naming ``quant_gemm``, CUDA): the weight dequantized
+  ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's ``dequantize_rows`` where it is built, else in
+  torch) and multiplied with ``F.linear`` (float rounding only), so no whole float copy of the weight is
+  ever made.
+- `QuantizedGemm` is the ``gemm`` of a layer whose weight is a `BlockQuantizedWeight` (the interface of
+  ``packed_gemm.PackedWeight``: ``matmul(x, weight, bias)``, ``invalidate()``).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.kernels import load_extension
+
+BLOCK = 32  # weights a block
+KERNEL_MAX_ROWS = 16  # more rows: dequantized tiles + F.linear; even at 16 rows, 1.5-1.9x faster at 64-512
+# (one thread's CPU time, SmolLM2's Q4_1 shapes, 4 Dec 2026)
+TILE_WEIGHTS = 1 << 18  # weights a dequantized tile holds in the F.linear path (1 MiB of float32: stays in L2)
+
+
+class BlockFormat(IntEnum):
+    """GGUF block formats served quantized; the values are GGML's type ids (``gguf.GGMLQuantizationType``)."""
+
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+
+    @property
+    def block_bytes(self) -> int:
+        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q8_0: 34}[self]
+
+
+def dequantize(blocks: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * 32]: computed in float32
+    (exact: the gguf package's values), then rounded once to ``dtype``."""
+    shape = blocks.shape[:-1]
+    b = blocks.reshape(*shape, -1, fmt.block_bytes)
+    halves = b.view(torch.float16)  # every block is an even number of bytes: its scales are aligned halves
+    d = halves[..., 0:1].float()
+    if fmt is BlockFormat.Q8_0:
+        w = b[..., 2:].view(torch.int8).float() * d
+    else:
+        nibbles = b[..., 4:] if fmt is BlockFormat.Q4_1 else b[..., 2:]
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+        w = torch.addcmul(halves[..., 1:2].float(), q, d) if fmt is BlockFormat.Q4_1 else (q - 8) * d
+    return w.reshape(*shape, -1).to(dtype)
+
+
+class BlockQuantizedWeight(nn.Module):
+    """A [rows, in_features] weight as GGUF blocks of ``fmt``; ``dtype`` is what dequantized rows come out in."""
+
+    def __init__(self, fmt: BlockFormat, rows: int, in_features: int, dtype: torch.dtype):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"a {fmt.name} weight needs in_features divisible by {BLOCK}, got {in_features}")
+        self.fmt, self.in_features, self.dtype = fmt, in_features, dtype
+        self.register_buffer("blocks", torch.zeros(rows, in_features // BLOCK * fmt.block_bytes, dtype=torch.uint8))
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.in_features))
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ``index`` (any shape) -> [*index.shape, in_features]."""
+        return dequantize(self.blocks[index], self.fmt, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, rows={self.blocks.shape[0]}, in_features={self.in_features}"
+
+
+def quant_gemm_kernel():
+    """The compiled kernel module, or None (one warning line) where it cannot be built."""
+    return load_extension("quant_gemm")
+
+
+def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ b)`` for x [..., in_features] (see the module rules for the path taken)."""
+    rows = x.reshape(-1, weight.in_features)
+    kernel = None
+    if (rows.shape[0] <= KERNEL_MAX_ROWS and rows.device.type == "cpu"
+            and rows.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == rows.dtype)):
+        kernel = quant_gemm_kernel()
+    if kernel is not None:
+        out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype, device=rows.device)
+        kernel.quant_linear(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
+    else:
+        out = tiled_linear(rows, weight, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``TILE_WEIGHTS`` of the weight dequantized at a time into x's dtype (by the kernel's ``dequantize_rows``
+    where it is built, else in torch), ``F.linear`` each."""
+    n = weight.blocks.shape[0]
+    step = max(1, TILE_WEIGHTS // weight.in_features)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    kernel = quant_gemm_kernel() if x.device.type == "cpu" else None
+    for first in range(0, n, step):
+        last = min(n, first + step)
+        if kernel is not None:
+            tile = torch.empty(last - first, weight.in_features)
+            kernel.dequantize_rows(tile, weight.blocks[first:last], int(weight.fmt))
+            tile = tile.to(x.dtype)
+        else:
+            tile = dequantize(weight.blocks[first:last], weight.fmt, x.dtype)
+        out[:, first:last] = F.linear(x, tile, None if bias is None else bias[first:last])
+    return out
+
+
+class QuantizedGemm:
+    """The ``gemm`` of a layer whose weight is a `BlockQuantizedWeight` (nothing to pack or invalidate)."""
+
+    def invalidate(self) -> None:
+        pass
+
+    def matmul(self, x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return quant_linear(x, weight, bias)
