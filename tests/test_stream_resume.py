@@ -37,7 +37,7 @@ from redserve.proc_tree import descendants, title
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(32 << 20), "--max-num-seqs", "8",
                 "--tensor-parallel-size", "2"]
 MAX_TOKENS = 48
-LONG_TOKENS = 200  # the non-streamed request: still running when its engine is killed
+LONG_TOKENS = 400  # the non-streamed request: still running when its engine is killed (200 was not, once, in CI)
 PROMPTS = [f"Stream number {i} tells a long story about" for i in range(8)]
 
 
@@ -296,6 +296,7 @@ def test_kill_9_of_an_engine_mid_generation_every_request_resumes_identical(stac
     results, threads = _run_streams(stack.base_url, reference.stops)
     poll(lambda: all(len(r.tokens) >= 3 for r in results), 60, "every stream to be under way")
     os.kill(stack.engines[victim].pid, signal.SIGSTOP)
+    assert not long, "the non-streamed request ended before its engine was stopped: raise LONG_TOKENS"
     frozen = time.time()
     time.sleep(1.0)  # outputs the victim had published reach the clients; the other engine's streams go on
     killed_at = stack.kill(victim)
