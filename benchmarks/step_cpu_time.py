@@ -1,7 +1,7 @@
 """CPU time of one decode step (``EngineCore.step()``), one thread, at batch 1, 16 and 64.
 
     python benchmarks/step_cpu_time.py [--model DIR] [--dtype float32] [--batches 1,16,64] [--steps 16]
-                                       [--rounds 5] [--profile]
+                                       [--rounds 5] [--profile] [--quantization auto|none|gguf]
 
 Why CPU time: on a machine shared with other work, wall-clock per step swings by more than the changes
 being measured; the CPU time of the one thread that runs the step (``time.thread_time``, torch limited to
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the engine's own choice)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     import engine
@@ -63,9 +64,10 @@ def main() -> None:
     from engine.tiny_model import ensure_default_model
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches),
-              **({"device": args.device} if args.device else {}))
+              quantization=args.quantization, **({"device": args.device} if args.device else {}))
     try:
-        print(f"engine from {engine.__file__}, model={llm.config.model} dtype={args.dtype}")
+        print(f"engine from {engine.__file__}, model={llm.config.model} dtype={args.dtype} "
+              f"quantization={args.quantization}")
         for batch in batches:
             print(measure(llm, batch, args), flush=True)
     finally:

@@ -177,15 +177,72 @@ def test_the_tiled_path_equals_the_float_product(monkeypatch, fmt, m, n, k, dequ
     torch.testing.assert_close(tiled_linear(x, weight_of(fmt, blocks, k), b).double(), exact, rtol=1e-5, atol=1e-4)
 
 
-def test_the_layer_takes_the_kernel_for_few_rows_and_the_torch_path_for_many(kernel, monkeypatch) -> None:
+MATMUL_SHAPES = [(13, 13, 32), (17, 67, 96), (33, 130, 576), (40, 64, 1536), (64, 200, 576), (100, 7, 96)]
+
+
+def matmul_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """The float32 rounding of ``quant_matmul``, [M, N]: every product passes through at most K + 40 roundings
+    (a block's sum, its scale, the running sum over blocks, the block's min times its x sum); the decomposed
+    terms d*q and m of a weight are each at most 2 max|w_b| (module docstring above), so 3 max|w_b| bounds them.
+    The float32 path dequantizes first (Q4_1's FMA: one rounding of |w|), within the same sum."""
+    m, k = x.shape
+    xb = x.double().abs().view(m, k // 32, 32).sum(-1)
+    w_max = torch.from_numpy(w).abs().view(w.shape[0], k // 32, 32).amax(-1)
+    return (k + 40) * 2 ** -24 * 3 * (xb @ w_max.T)
+
+
+def run_matmul(kernel, x: torch.Tensor, blocks: np.ndarray, fmt: BlockFormat, bias=None) -> torch.Tensor:
+    out = torch.full((x.shape[0], blocks.shape[0]), float("nan"), dtype=x.dtype)
+    kernel.quant_matmul(out, x, torch.from_numpy(blocks), int(fmt), bias)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,n,k", MATMUL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_many_rows_multiply_to_float_rounding(kernel, fmt, m, n, k, dtype) -> None:
+    """``quant_matmul`` (the weights decoded once a call) has no activation rounding: bfloat16 x is multiplied
+    as it is (the bf16 dot products' products are exact), float32 x in float32. Odd shapes leave a partial
+    tile of rows, of columns and of a column block."""
+    blocks, w = quantized(fmt, n, k, seed=m + n)
+    x = activations(m, k, seed=k + m).to(dtype)
+    b = torch.randn(n).to(dtype)
+    out = run_matmul(kernel, x, blocks, fmt, b)
+    exact = x.double() @ torch.from_numpy(w).T + b.double()
+    bound = matmul_bound(x.float(), w)
+    if dtype == torch.bfloat16:
+        bound = bound + (exact.abs() + bound) * 2 ** -8  # the result rounded once to bfloat16
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"worst excess {float((error - bound).max())} at {divmod(int((error - bound).argmax()), n)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_many_rows_split_over_threads_give_the_same_bits(kernel, dtype) -> None:
+    """Column blocks of 64 are split over torch's threads; 1000 columns leave a partial block and 70 rows a
+    partial tile of rows."""
+    blocks, _ = quantized(BlockFormat.Q4_1, 1000, 576, seed=21)
+    x = activations(70, 576, seed=22).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_matmul(kernel, x, blocks, BlockFormat.Q4_1)
+        torch.set_num_threads(3)
+        assert torch.equal(run_matmul(kernel, x, blocks, BlockFormat.Q4_1), single)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_layer_takes_each_path_by_its_rows(kernel, monkeypatch) -> None:
     blocks, w = quantized(BlockFormat.Q4_1, 40, 96, seed=3)
     weight = weight_of(BlockFormat.Q4_1, blocks, 96)
-    few = activations(2, 96, seed=4)
-    assert torch.equal(quant_linear(few.view(1, 2, 96), weight).view(2, 40), run_kernel(kernel, few, blocks, weight.fmt))
-    many = activations(KERNEL_MAX_ROWS + 1, 96, seed=5)
-    assert torch.equal(quant_linear(many, weight), tiled_linear(many, weight))
+    few = activations(KERNEL_MAX_ROWS, 96, seed=4)
+    assert torch.equal(quant_linear(few.view(2, -1, 96), weight).view(-1, 40), run_kernel(kernel, few, blocks, weight.fmt))
+    for dtype in (torch.float32, torch.bfloat16):
+        many = activations(KERNEL_MAX_ROWS + 1, 96, seed=5).to(dtype)
+        assert torch.equal(quant_linear(many, weight), run_matmul(kernel, many, blocks, weight.fmt))
     monkeypatch.setattr(quantized_linear, "quant_gemm_kernel", lambda: None)  # no compiler: the torch path
     assert torch.equal(quant_linear(few, weight), tiled_linear(few, weight))
+    assert torch.equal(quant_linear(many, weight), tiled_linear(many, weight))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

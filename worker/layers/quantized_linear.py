@@ -8,13 +8,16 @@ Rules:
 - `BlockQuantizedWeight` holds a [rows, in_features] matrix as the file's blocks (uint8 [rows, row bytes]),
   each row its ``in_features / 32`` blocks in GGML's layout; it dequantizes rows on demand (the embedding
   lookup) in the model dtype.
-- `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, up to ``KERNEL_MAX_ROWS`` rows: the
-  ``quant_gemm`` C++ kernel (worker/kernels/csrc/quant_gemm.cpp: x quantized to int8 per block of 32, int8
-  dot products, per-block scales), within the activation rounding of the float product. Elsewhere (more
-  rows, no compiler, ``REDSERVE_NO_KERNELS`` naming ``quant_gemm``, CUDA): the weight dequantized
-  ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's ``dequantize_rows`` where it is built, else in
-  torch) and multiplied with ``F.linear`` (float rounding only), so no whole float copy of the weight is
-  ever made.
+- `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, takes one of three paths by its rows:
+  - up to ``KERNEL_MAX_ROWS``: the ``quant_gemm`` C++ kernel's int8 path (worker/kernels/csrc/quant_gemm.cpp: x
+    quantized to int8 per block of 32, int8 dot products, per-block scales), within the activation rounding of
+    the float product;
+  - more rows: the kernel's ``quant_matmul``, the weights decoded once a call and multiplied in x's dtype
+    (bfloat16 with the CPU's bf16 dot products where it has them), to float rounding;
+  - wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
+    ``quant_gemm``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's
+    ``dequantize_rows`` where it is built, else in torch) and multiplied with ``F.linear`` (float rounding
+    only), so no whole float copy of the weight is ever made.
 - `QuantizedGemm` is the ``gemm`` of a layer whose weight is a `BlockQuantizedWeight` (the interface of
   ``packed_gemm.PackedWeight``: ``matmul(x, weight, bias)``, ``invalidate()``).
 """
@@ -30,8 +33,13 @@ from torch import nn
 from worker.kernels import load_extension
 
 BLOCK = 32  # weights a block
-KERNEL_MAX_ROWS = 16  # more rows: dequantized tiles + F.linear; even at 16 rows, 1.5-1.9x faster at 64-512
-# (one thread's CPU time, SmolLM2's Q4_1 shapes, 4 Dec 2026)
+# Where each path serves, from one thread's CPU time over SmolLM2's Q4_1 shapes (a layer's four projections and
+# the LM head; 2-core AMD EPYC with avx512_bf16 and avx512_vnni, 4 Dec 2026), ms for the int8 path /
+# quant_matmul float32 / quant_matmul bfloat16 / dequantized tiles + F.linear float32, and oneDNN's prepacked
+# float weights for scale (float32 / bfloat16): 1 row 1.77 / 12.9 / 9.1 / 7.2 (9.0 / 4.7); 4 rows 5.5 / 13.1 /
+# 9.7 / 11.3; 8 rows 10.7 / 12.9 / 9.3 / 16.3; 12 rows 15.9 / 13.4 / 9.7 / 18.3; 16 rows 21.8 / 13.8 / 10.2 /
+# 20.9 (12.8 / 6.9); 64 rows 82.8 / 43.5 / 26.1 / 59.6 (39.8 / 20.8); 256 rows 364 / 190 / 95 / 262 (176 / 77).
+KERNEL_MAX_ROWS = 8  # the int8 path's rows: it costs a row's products (~1.2 ms here) a row; quant_matmul beyond
 TILE_WEIGHTS = 1 << 18  # weights a dequantized tile holds in the F.linear path (1 MiB of float32: stays in L2)
 
 
@@ -94,14 +102,17 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
     """``x @ W^T (+ b)`` for x [..., in_features] (see the module rules for the path taken)."""
     rows = x.reshape(-1, weight.in_features)
     kernel = None
-    if (rows.shape[0] <= KERNEL_MAX_ROWS and rows.device.type == "cpu"
-            and rows.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == rows.dtype)):
+    if (rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16)
+            and (bias is None or bias.dtype == rows.dtype)):
         kernel = quant_gemm_kernel()
-    if kernel is not None:
-        out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype, device=rows.device)
+    if kernel is None:
+        out = tiled_linear(rows, weight, bias)
+    elif rows.shape[0] <= KERNEL_MAX_ROWS:
+        out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype)
         kernel.quant_linear(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
     else:
-        out = tiled_linear(rows, weight, bias)
+        out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype)
+        kernel.quant_matmul(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

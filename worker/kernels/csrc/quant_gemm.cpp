@@ -19,7 +19,9 @@
 // cache is keyed by the CPU's flags), as small_gemm.cpp.
 //
 // Threads: W's rows are split over torch's intra-op threads in tiles of kRowsPerTile rows, at least
-// kMinWeightsPerTask weights a task, so a small layer stays on one thread.
+// kMinWeightsPerTask products (weights x rows of x) a task: 64K, tens of microseconds, so that even a small
+// model's projection splits at one row (SmolLM2's four projections of a layer at one row, two threads, best of
+// 300: 149 us with a 1M floor, 108 us with 64K; one thread 193 us).
 //
 // Rules: x [M, K] float32 or bfloat16 contiguous, K a multiple of 32; blocks uint8 [N, K / 32 * block bytes]
 // contiguous; out [M, N] of x's dtype; bias [N] of x's dtype or none. The error against the float product of
@@ -37,16 +39,18 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTile = 4;
-constexpr int64_t kMinWeightsPerTask = 1 << 20;
+constexpr int64_t kMinWeightsPerTask = 1 << 16;
 
 enum class Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type ids
 
@@ -283,26 +287,33 @@ void run(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks
   });
 }
 
+void check_linear_args(const char* name, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks,
+                       Format f, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1,
+              name, ": GGML type ", static_cast<int64_t>(f), " is not Q8_0, Q4_0 or Q4_1");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && out.scalar_type() == dtype,
+              name, ": x and out float32 or bfloat16, one dtype");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, name, ": blocks must be uint8");
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && out.dim() == 2, name, ": x [M, K], blocks [N, B], out [M, N]");
+  TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && out.is_contiguous(), name, ": contiguous tensors only");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(k % kBlock == 0, name, ": K (", k, ") must be a multiple of 32");
+  TORCH_CHECK(blocks.size(1) == k / kBlock * block_bytes(f), name, ": blocks hold ", blocks.size(1),
+              " bytes a row, K = ", k, " needs ", k / kBlock * block_bytes(f));
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, name, ": out must be [M, N]");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
+                name, ": bias [N] of x's dtype");
+  }
+}
+
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                   c10::optional<torch::Tensor> bias) {
   const auto f = static_cast<Format>(ggml_type);
-  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1,
-              "quant_linear: GGML type ", ggml_type, " is not Q8_0, Q4_0 or Q4_1");
+  check_linear_args("quant_linear", out, x, blocks, f, bias);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && out.scalar_type() == dtype,
-              "quant_linear: x and out float32 or bfloat16, one dtype");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, "quant_linear: blocks must be uint8");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && out.dim() == 2, "quant_linear: x [M, K], blocks [N, B], out [M, N]");
-  TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && out.is_contiguous(), "quant_linear: contiguous tensors only");
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % kBlock == 0, "quant_linear: K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(blocks.size(1) == k / kBlock * block_bytes(f), "quant_linear: blocks hold ", blocks.size(1),
-              " bytes a row, K = ", k, " needs ", k / kBlock * block_bytes(f));
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_linear: out must be [M, N]");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
-                "quant_linear: bias [N] of x's dtype");
-  }
+  const int64_t m = x.size(0), n = blocks.size(0);
   if (m == 0 || n == 0) return;
   if (dtype == torch::kBFloat16) {
     run<at::BFloat16>(out, x, blocks, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, f);
@@ -374,9 +385,347 @@ void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type)
   });
 }
 
+
+// ---- many rows: the weights decoded once a call, x packed with its rows across the vector lanes -------------
+//
+// From a few dozen rows on, the int8 path above does more work per product than a float GEMM (two dots, a
+// conversion and a scale for every block of every (row, column) pair), and quantizing x is no longer where the
+// time goes. `quant_matmul` instead decodes kColsPerBlock columns of W at a time into a small buffer (kept in L2
+// for every row of x) and multiplies with x packed so that one vector holds one k of L consecutive rows:
+//   float32 x: W decoded to the float32 weights (the gguf package's values), y += x[rows, k] * w[k] by FMA,
+//              L = 16 (AVX-512F) or 8 (AVX2) rows a vector; x in bfloat16 is widened first (exact).
+//   bfloat16 x on a CPU with AVX-512 BF16: W decoded to its integer codes q, exact in bfloat16 (|q| <= 128),
+//              a block's sum(x q) by vdpbf16ps over pairs of k into float32 (every product exact), then
+//              y += d * sum + m * sum(x) with the block's scale d and min m (Q4_0: q - 8, no min; Q8_0: no min).
+// Either way the result is the dequantized product to float32 rounding (no activation rounding: bfloat16 x
+// is what the model computes in). A micro-tile is kColsPerTile columns by two vectors of rows (8 accumulators;
+// the bfloat16 path 8 more for a block's sums): per k, two loads of x, four broadcasts of w, eight products.
+// Threads split the column blocks.
+
+constexpr int64_t kColsPerTile = 4;   // with two vectors of rows; eight with one
+constexpr int64_t kColsPerBlock = 64;  // decoded together: 64 x K floats stay in L2 while every row passes
+constexpr int64_t kRowVectors = 2;     // vectors of rows in a micro-tile
+
+template <Format F>
+void dequantize_row(float* w, const uint8_t* p, int64_t blocks) {
+  constexpr int64_t kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_1 ? 20 : 18);
+  for (int64_t b = 0; b < blocks; ++b) dequantize_block<F>(w + b * kBlock, p + b * kBytes);
+}
+
+#if defined(REDSERVE_QUANT_AVX2)
+#if defined(__AVX512F__)
+struct FloatVec {
+  static constexpr int64_t L = 16;
+  __m512 v;
+  static FloatVec zero() { return {_mm512_setzero_ps()}; }
+  static FloatVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static FloatVec bcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+  void fma(FloatVec a, FloatVec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#else
+struct FloatVec {
+  static constexpr int64_t L = 8;
+  __m256 v;
+  static FloatVec zero() { return {_mm256_setzero_ps()}; }
+  static FloatVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static FloatVec bcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+  void fma(FloatVec a, FloatVec b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+};
+#endif
+constexpr int64_t kLanes = FloatVec::L;
+
+// acc[c * MV * L + i] += sum over k in [k0, k1) of xp[k][i] * w[c][k], for kColsPerTile columns and MV vectors
+// of rows (xp already offset to the tile's first row).
+template <int MV, int NC = kColsPerTile * kRowVectors / MV>
+inline void float_tile(float* acc_io, const float* xp, int64_t stride, const float* w, int64_t k, int64_t k0, int64_t k1) {
+  FloatVec acc[NC][MV];
+  for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < MV; ++j) acc[c][j] = FloatVec::load(acc_io + (c * MV + j) * kLanes);
+  for (int64_t i = k0; i < k1; ++i) {
+    FloatVec xv[MV];
+    for (int j = 0; j < MV; ++j) {
+      xv[j] = FloatVec::load(xp + i * stride + j * kLanes);
+      asm("" : "+v"(xv[j].v));  // keep x in a register: the compiler would fold a load into every FMA instead
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const FloatVec wv = FloatVec::bcast(w + c * k + i);
+      for (int j = 0; j < MV; ++j) acc[c][j].fma(xv[j], wv);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < MV; ++j) acc[c][j].store(acc_io + (c * MV + j) * kLanes);
+}
+#else
+constexpr int64_t kLanes = 8;
+template <int MV, int NC = kColsPerTile * kRowVectors / MV>
+inline void float_tile(float* acc_io, const float* xp, int64_t stride, const float* w, int64_t k, int64_t k0, int64_t k1) {
+  for (int c = 0; c < kColsPerTile; ++c)
+    for (int64_t i = 0; i < MV * kLanes; ++i)
+      for (int64_t j = k0; j < k1; ++j) acc_io[c * MV * kLanes + i] += xp[j * stride + i] * w[c * k + j];
+}
+#endif
+
+constexpr int64_t kFloatChunk = 64;  // k a pass: the tile's rows of x (8 KiB) and the block's w (16 KiB) stay in L1
+
+// The tile's sums (column c, row i at tile[c * stride + i]) into out, plus the bias.
+template <typename T>
+inline void store_tile(T* out, int64_t n, const float* tile, int64_t stride, int64_t row0, int64_t rows,
+                       int64_t col0, int64_t cols, const T* bias) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t c = 0; c < cols; ++c)
+      out[(row0 + i) * n + col0 + c] = static_cast<T>(tile[c * stride + i] + (bias ? to_float(bias[col0 + c]) : 0.f));
+}
+
+// x [M, K] as tiles of kRowVectors * kLanes rows, each [K][rows] float32 (rows past M are zeros): one k of a
+// tile's rows is one or two vectors, and consecutive k's are adjacent (a stride of the matrix's row count
+// would map a pass's k's onto a few cache sets once M reaches a few hundred).
+template <typename T>
+std::vector<float> pack_rows_float(const T* x, int64_t m, int64_t k, int64_t tiles) {
+  constexpr int64_t kTileRows = kRowVectors * kLanes;
+  std::vector<float> xp(tiles * k * kTileRows, 0.f);
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t r = t * kTileRows; r < std::min(m, (t + 1) * kTileRows); ++r)
+        for (int64_t i = 0; i < k; ++i) xp[(t * k + i) * kTileRows + r % kTileRows] = to_float(x[r * k + i]);
+  });
+  return xp;
+}
+
+template <Format F, typename T>
+void float_matmul(T* out, const T* x, const uint8_t* blocks, const T* bias, int64_t m, int64_t k, int64_t n,
+                  int64_t row_bytes) {
+  constexpr int64_t kTileRows = kRowVectors * kLanes;
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  const std::vector<float> xp = pack_rows_float(x, m, k, tiles);
+  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
+  at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> w(kColsPerBlock * k), acc(kColsPerBlock * kRowVectors * kLanes);
+    for (int64_t cb = first; cb < last; ++cb) {
+      const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
+      const int64_t padded = (cols + 2 * kColsPerTile - 1) / (2 * kColsPerTile) * (2 * kColsPerTile);
+      for (int64_t c = 0; c < cols; ++c) dequantize_row<F>(w.data() + c * k, blocks + (c0 + c) * row_bytes, k / kBlock);
+      std::fill(w.begin() + cols * k, w.begin() + padded * k, 0.f);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = t * kTileRows, rows = std::min(kTileRows, m - r0);
+        const int64_t vectors = rows > kLanes ? kRowVectors : 1, lanes = vectors * kLanes;
+        const float* xt = xp.data() + t * k * kTileRows;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k0 = 0; k0 < k; k0 += kFloatChunk) {
+          const int64_t k1 = std::min(k, k0 + kFloatChunk);
+          const int64_t step = vectors == kRowVectors ? kColsPerTile : 2 * kColsPerTile;
+          for (int64_t c = 0; c < padded; c += step) {
+            if (vectors == kRowVectors) {
+              float_tile<kRowVectors>(acc.data() + c * lanes, xt, kTileRows, w.data() + c * k, k, k0, k1);
+            } else {
+              float_tile<1>(acc.data() + c * lanes, xt, kTileRows, w.data() + c * k, k, k0, k1);
+            }
+          }
+        }
+        store_tile(out, n, acc.data(), lanes, r0, rows, c0, cols, bias);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define REDSERVE_QUANT_BF16 1
+constexpr int64_t kBfLanes = 16;
+
+inline uint16_t bf16_bits_of_small_int(int v) {  // exact: |v| <= 256 has at most 8 significant bits
+  const float f = static_cast<float>(v);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// One row of W as its codes (bfloat16, natural k order) and per-block scale and min (Q4_0: q - 8, min 0).
+template <Format F>
+void decode_codes(uint16_t* q, float* d, float* mn, const uint8_t* p, int64_t blocks) {
+  constexpr int64_t kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_1 ? 20 : 18);
+  // Q4: the 16 codes' bfloat16 bits, looked up by code (vpermw); the table's upper half is unused.
+  alignas(64) static const std::array<uint16_t, 32> table = [] {
+    std::array<uint16_t, 32> t{};
+    for (int i = 0; i < 16; ++i) t[i] = bf16_bits_of_small_int(i + (F == Format::kQ4_0 ? -8 : 0));
+    return t;
+  }();
+  const __m512i lut = _mm512_load_si512(table.data());
+  for (int64_t b = 0; b < blocks; ++b, p += kBytes) {
+    uint16_t* out = q + b * kBlock;
+    d[b] = half_to_float(p);
+    if constexpr (F == Format::kQ8_0) {
+      mn[b] = 0.f;
+      const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(wide)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(wide, 1)));
+      _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    } else {
+      mn[b] = F == Format::kQ4_1 ? half_to_float(p + 2) : 0.f;
+      const __m512i codes = _mm512_cvtepu8_epi16(unpack_nibbles(p + (F == Format::kQ4_1 ? 4 : 2)));
+      _mm512_storeu_si512(out, _mm512_permutexvar_epi16(codes, lut));
+    }
+  }
+}
+
+// acc[c * MV * 16 + i] += sum over blocks b in [b0, b1) of d[c][b] * sum_k x[i][k] q[c][k] + mn[c][b] * xs[b][i].
+template <int MV, bool HasMin, int NC = kColsPerTile * kRowVectors / MV>
+inline void bf16_tile(float* acc_io, const uint32_t* xp, const float* xs, int64_t stride, const uint16_t* q,
+                      const float* d, const float* mn, int64_t k, int64_t b0, int64_t b1) {
+  const int64_t blocks = k / kBlock;
+  __m512 acc[NC][MV];
+  for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < MV; ++j) acc[c][j] = _mm512_loadu_ps(acc_io + (c * MV + j) * kBfLanes);
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512 sum[NC][MV];
+    for (auto& col : sum)
+      for (auto& s : col) s = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t pair = 0; pair < kBlock / 2; ++pair) {
+      const int64_t kp = b * (kBlock / 2) + pair;
+      __m512bh xv[MV];
+      for (int j = 0; j < MV; ++j) xv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xp + kp * stride + j * kBfLanes));
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        uint32_t wpair;
+        std::memcpy(&wpair, q + c * k + 2 * kp, 4);
+        const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(wpair)));
+        for (int j = 0; j < MV; ++j) sum[c][j] = _mm512_dpbf16_ps(sum[c][j], xv[j], wv);
+      }
+    }
+    for (int c = 0; c < NC; ++c) {
+      const __m512 dv = _mm512_set1_ps(d[c * blocks + b]);
+      for (int j = 0; j < MV; ++j) {
+        acc[c][j] = _mm512_fmadd_ps(sum[c][j], dv, acc[c][j]);
+        if constexpr (HasMin) {
+          acc[c][j] = _mm512_fmadd_ps(_mm512_set1_ps(mn[c * blocks + b]),
+                                      _mm512_loadu_ps(xs + b * stride + j * kBfLanes), acc[c][j]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int j = 0; j < MV; ++j) _mm512_storeu_ps(acc_io + (c * MV + j) * kBfLanes, acc[c][j]);
+}
+
+constexpr int64_t kBf16ChunkBlocks = 4;  // blocks a pass: the tile's rows of x (8 KiB) and the block's codes (16 KiB)
+
+template <Format F>
+void bf16_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
+                 int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
+  constexpr bool kHasMin = F == Format::kQ4_1;
+  constexpr int64_t kTileRows = kRowVectors * kBfLanes;
+  const int64_t nb = k / kBlock, tiles = (m + kTileRows - 1) / kTileRows;
+  // x in tiles of kTileRows rows (as pack_rows_float): pairs of k, xp[tile][k / 2][rows] (each 32 bits two
+  // bfloat16), and each block's sum of x, xs[tile][K / 32][rows].
+  std::vector<uint32_t> xp(tiles * (k / 2) * kTileRows, 0u);
+  std::vector<float> xs(kHasMin ? tiles * nb * kTileRows : 0, 0.f);
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      for (int64_t r = t * kTileRows; r < std::min(m, (t + 1) * kTileRows); ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const at::BFloat16* src = x + r * k + b * kBlock;
+          float total = 0.f;
+          for (int64_t i = 0; i < kBlock; i += 2) {
+            uint32_t pair;
+            std::memcpy(&pair, src + i, 4);
+            xp[(t * (k / 2) + (b * kBlock + i) / 2) * kTileRows + r % kTileRows] = pair;
+            if constexpr (kHasMin) total += static_cast<float>(src[i]) + static_cast<float>(src[i + 1]);
+          }
+          if constexpr (kHasMin) xs[(t * nb + b) * kTileRows + r % kTileRows] = total;
+        }
+      }
+    }
+  });
+  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
+  at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
+    std::vector<uint16_t> q(kColsPerBlock * k);
+    std::vector<float> d(kColsPerBlock * nb), mn(kColsPerBlock * nb), acc(kColsPerBlock * kRowVectors * kBfLanes);
+    for (int64_t cb = first; cb < last; ++cb) {
+      const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
+      const int64_t padded = (cols + 2 * kColsPerTile - 1) / (2 * kColsPerTile) * (2 * kColsPerTile);
+      for (int64_t c = 0; c < cols; ++c)
+        decode_codes<F>(q.data() + c * k, d.data() + c * nb, mn.data() + c * nb, blocks + (c0 + c) * row_bytes, nb);
+      std::fill(q.begin() + cols * k, q.begin() + padded * k, uint16_t{0});
+      std::fill(d.begin() + cols * nb, d.begin() + padded * nb, 0.f);
+      std::fill(mn.begin() + cols * nb, mn.begin() + padded * nb, 0.f);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = t * kTileRows, rows = std::min(kTileRows, m - r0);
+        const int64_t vectors = rows > kBfLanes ? kRowVectors : 1, lanes = vectors * kBfLanes;
+        const uint32_t* xt = xp.data() + t * (k / 2) * kTileRows;
+        const float* xst = kHasMin ? xs.data() + t * nb * kTileRows : nullptr;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t b0 = 0; b0 < nb; b0 += kBf16ChunkBlocks) {
+          const int64_t b1 = std::min(nb, b0 + kBf16ChunkBlocks);
+          const int64_t step = vectors == kRowVectors ? kColsPerTile : 2 * kColsPerTile;
+          for (int64_t c = 0; c < padded; c += step) {
+            const uint16_t* qc = q.data() + c * k;
+            const float *dc = d.data() + c * nb, *mc = mn.data() + c * nb;
+            if (vectors == kRowVectors) {
+              bf16_tile<kRowVectors, kHasMin>(acc.data() + c * lanes, xt, xst, kTileRows, qc, dc, mc, k, b0, b1);
+            } else {
+              bf16_tile<1, kHasMin>(acc.data() + c * lanes, xt, xst, kTileRows, qc, dc, mc, k, b0, b1);
+            }
+          }
+        }
+        store_tile(out, n, acc.data(), lanes, r0, rows, c0, cols, bias);
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
+  const T* xd = x.data_ptr<T>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  T* o = out.data_ptr<T>();
+#if defined(REDSERVE_QUANT_BF16)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    switch (f) {
+      case Format::kQ8_0: return bf16_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
+      case Format::kQ4_0: return bf16_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
+      case Format::kQ4_1: return bf16_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
+    }
+  }
+#endif
+  switch (f) {
+    case Format::kQ8_0: return float_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
+    case Format::kQ4_0: return float_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
+    case Format::kQ4_1: return float_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
+  }
+}
+
+void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                  c10::optional<torch::Tensor> bias) {
+  const auto f = static_cast<Format>(ggml_type);
+  check_linear_args("quant_matmul", out, x, blocks, f, bias);
+  if (x.size(0) == 0 || blocks.size(0) == 0) return;
+  if (x.scalar_type() == torch::kBFloat16) {
+    matmul_dispatch<at::BFloat16>(out, x, blocks, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, f);
+  } else {
+    matmul_dispatch<float>(out, x, blocks, bias.has_value() ? bias->data_ptr<float>() : nullptr, f);
+  }
+}
+
+bool native_bf16_matmul() {
+#if defined(REDSERVE_QUANT_BF16)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q8_0 / Q4_0 / Q4_1 blocks");
+  m.def("quant_matmul", &quant_matmul,
+        "out = x @ dequantize(blocks).T (+ bias) for many rows of x: the weights decoded once a call, x in its own dtype");
+  m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul multiplies bfloat16 x with vdpbf16ps");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 block rows");
 }
