@@ -1,4 +1,4 @@
-"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1) and multiplied without a float copy.
+"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K) and multiplied without a float copy.
 
 Why: a decode step at one stream reads every weight once, so its time follows the weight bytes; a Q4_1
 weight is 0.625 bytes a value against 4 (float32) or 2 (bfloat16). Measured on a 2-core AMD EPYC with
@@ -6,11 +6,13 @@ avx512_vnni, see README "Quantized GGUF weights".
 
 Rules:
 - `BlockQuantizedWeight` holds a [rows, in_features] matrix as the file's blocks (uint8 [rows, row bytes]),
-  each row its ``in_features / 32`` blocks in GGML's layout; it dequantizes rows on demand (the embedding
-  lookup) in the model dtype.
+  each row its ``in_features / fmt.block_weights`` blocks in GGML's layout (32 weights a block; 256 for the
+  k-quants Q4_K and Q6_K, whose torch dequantization and kernel live in `worker.layers.k_quants`); it
+  dequantizes rows on demand (the embedding lookup) in the model dtype.
 - `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, up to ``KERNEL_MAX_ROWS`` rows: the
   ``quant_gemm`` C++ kernel (worker/kernels/csrc/quant_gemm.cpp: x quantized to int8 per block of 32, int8
-  dot products, per-block scales), within the activation rounding of the float product. Elsewhere (more
+  dot products, per-block scales; ``quant_gemm_k`` for the k-quants, the same activation rounding), within
+  the activation rounding of the float product. Elsewhere (more
   rows, no compiler, ``REDSERVE_NO_KERNELS`` naming ``quant_gemm``, CUDA): the weight dequantized
   ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's ``dequantize_rows`` where it is built, else in
   torch) and multiplied with ``F.linear`` (float rounding only), so no whole float copy of the weight is
@@ -28,8 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import load_extension
+from worker.layers import k_quants
 
-BLOCK = 32  # weights a block
+BLOCK = 32  # weights a block (of the 32-weight formats; `BlockFormat.block_weights`)
 KERNEL_MAX_ROWS = 16  # more rows: dequantized tiles + F.linear; even at 16 rows, 1.5-1.9x faster at 64-512
 # (one thread's CPU time, SmolLM2's Q4_1 shapes, 4 Dec 2026)
 TILE_WEIGHTS = 1 << 18  # weights a dequantized tile holds in the F.linear path (1 MiB of float32: stays in L2)
@@ -41,15 +44,26 @@ class BlockFormat(IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    Q4_K = 12
+    Q6_K = 14
 
     @property
     def block_bytes(self) -> int:
-        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q8_0: 34}[self]
+        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q8_0: 34,
+                BlockFormat.Q4_K: k_quants.Q4_K_BYTES, BlockFormat.Q6_K: k_quants.Q6_K_BYTES}[self]
+
+    @property
+    def block_weights(self) -> int:
+        return 256 if self in (BlockFormat.Q4_K, BlockFormat.Q6_K) else BLOCK
 
 
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * 32]: computed in float32
-    (exact: the gguf package's values), then rounded once to ``dtype``."""
+    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * block weights]: computed in
+    float32 (exact: the gguf package's values), then rounded once to ``dtype``."""
+    if fmt is BlockFormat.Q4_K:
+        return k_quants.dequantize_q4_k(blocks).to(dtype)
+    if fmt is BlockFormat.Q6_K:
+        return k_quants.dequantize_q6_k(blocks).to(dtype)
     shape = blocks.shape[:-1]
     b = blocks.reshape(*shape, -1, fmt.block_bytes)
     halves = b.view(torch.float16)  # every block is an even number of bytes: its scales are aligned halves
@@ -68,10 +82,12 @@ class BlockQuantizedWeight(nn.Module):
 
     def __init__(self, fmt: BlockFormat, rows: int, in_features: int, dtype: torch.dtype):
         super().__init__()
-        if in_features % BLOCK:
-            raise ValueError(f"a {fmt.name} weight needs in_features divisible by {BLOCK}, got {in_features}")
+        if in_features % fmt.block_weights:
+            raise ValueError(f"a {fmt.name} weight needs in_features divisible by {fmt.block_weights}, "
+                             f"got {in_features}")
         self.fmt, self.in_features, self.dtype = fmt, in_features, dtype
-        self.register_buffer("blocks", torch.zeros(rows, in_features // BLOCK * fmt.block_bytes, dtype=torch.uint8))
+        self.register_buffer("blocks", torch.zeros(rows, in_features // fmt.block_weights * fmt.block_bytes,
+                                                   dtype=torch.uint8))
 
     @property
     def shape(self) -> torch.Size:
@@ -90,13 +106,18 @@ def quant_gemm_kernel():
     return load_extension("quant_gemm")
 
 
+def kernel_for(fmt: BlockFormat):
+    """The kernel module that multiplies ``fmt`` (``quant_gemm``, or ``quant_gemm_k`` for the k-quants), or None."""
+    return k_quants.quant_gemm_k_kernel() if fmt.block_weights != BLOCK else quant_gemm_kernel()
+
+
 def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ b)`` for x [..., in_features] (see the module rules for the path taken)."""
     rows = x.reshape(-1, weight.in_features)
     kernel = None
     if (rows.shape[0] <= KERNEL_MAX_ROWS and rows.device.type == "cpu"
             and rows.dtype in (torch.float32, torch.bfloat16) and (bias is None or bias.dtype == rows.dtype)):
-        kernel = quant_gemm_kernel()
+        kernel = kernel_for(weight.fmt)
     if kernel is not None:
         out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype, device=rows.device)
         kernel.quant_linear(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
@@ -111,7 +132,7 @@ def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
     n = weight.blocks.shape[0]
     step = max(1, TILE_WEIGHTS // weight.in_features)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    kernel = quant_gemm_kernel() if x.device.type == "cpu" else None
+    kernel = kernel_for(weight.fmt) if x.device.type == "cpu" else None
     for first in range(0, n, step):
         last = min(n, first + step)
         if kernel is not None:
