@@ -14,8 +14,10 @@ Layouts (worker/kernels/csrc/quant_gemm_k.cpp spells them out):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
-from gguf import GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
 
 QK = 256
 
@@ -95,3 +97,33 @@ def random_blocks(rows: int, k: int, qtype: GGMLQuantizationType, seed: int) -> 
     else:
         blocks[:, 208:210] = halves[:, 0:2]
     return blocks.reshape(rows, -1)
+
+
+def requantize_gguf(src: str, dst: str, target: Callable[[str], GGMLQuantizationType | None]) -> dict[str, str]:
+    """Copy the GGUF ``src`` to ``dst`` with each tensor that ``target(name)`` names a k-quant for decoded (by
+    gguf) and quantized again to it (its row length must be a multiple of 256); metadata and every other
+    tensor copied as they are. Returns {tensor name: its type in ``dst``}."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    types = {}
+    for tensor in reader.tensors:
+        data, qtype = np.asarray(tensor.data), tensor.tensor_type
+        new = target(tensor.name)
+        if new is not None:
+            data, qtype = quantize(quants.dequantize(data, qtype), new), new
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(tensor.name, data)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=qtype)
+        types[tensor.name] = qtype.name
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
