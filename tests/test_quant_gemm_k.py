@@ -11,7 +11,7 @@ remainder), and the integer products are exact, so
                  + (K / 32 + 9) 2^-24 * 3 * sum over 32-blocks of t_b * (|x_b|_1 + 32 e_b)       (float32 sums)
 
 where t_b bounds the decomposed terms of a weight of that block, not the weight itself: Q4_K's d sc q (up to
-15 d sc) and dmin m; Q6_K's d sc (q - 32) (up to 32 |d sc|). Every term passes through at most K / 32 + 9
+15 d sc) and dmin m; Q6_K's d sc q (up to 63 |d sc|) and its offset 32 d sc. Every term passes through at most K / 32 + 9
 float32 roundings (the int32 sum to float, the scale products, a chain of K / 32 FMAs, the horizontal sums,
 the min term). bfloat16 output adds one rounding: at most 2^-8 of |y|.
 """
@@ -94,7 +94,7 @@ def term_sizes(fmt: BlockFormat, blocks: np.ndarray) -> torch.Tensor:
         t = torch.maximum(15 * halves[..., 0:1] * scales, halves[..., 1:2] * mins)  # [N, blocks, 8]
     else:
         d = b[..., 208:210].contiguous().view(torch.float16).double()
-        ds = (32 * d * b[..., 192:208].contiguous().view(torch.int8).double()).abs()  # [N, blocks, 16]
+        ds = (63 * d * b[..., 192:208].contiguous().view(torch.int8).double()).abs()  # [N, blocks, 16]
         t = ds.view(*ds.shape[:-1], 8, 2).amax(-1)
     return t.reshape(blocks.shape[0], -1)
 

@@ -16,12 +16,12 @@
 // remainder to int8 at e / 256, so x = e (q + q' / 256) within e / 256; s = e (sum(q) + sum(q') / 256).
 // A 32-weight sub-block's dot product is integer sums, 256 sum(qw q) + sum(qw q'), scaled in float:
 //   Q4_K: d sc_s e' sum - dmin m_s s        (qw the nibble, 0..15: the unsigned operand as it is)
-//   Q6_K: d sc e' sum per 16 weights        (qw = q - 32 in [-32, 31]: |qw| as the unsigned operand and x
-//                                            with qw's sign as the signed one; int32 lanes 0-3 hold the first
-//                                            16 weights' sums and lanes 4-7 the second's, so each half-lane
-//                                            set takes its own scale)
+//   Q6_K: per 16 weights, d sc e' sum - 32 d sc s16   (qw = q, 0..63, the unsigned operand as it is; s16 is s
+//        over 16 values; int32 lanes 0-3 hold the first 16 weights' sums and lanes 4-7 the second's, so each
+//        half takes its own scale. The -32 offset as a min term costs two FMAs a block where x with qw's
+//        sign (the Q8_0 trick) cost three sign ops a 32 weights: 1.1-1.2x slower, measured)
 // The integer sums: AVX-512 VNNI / AVX-VNNI vpdpbusd, else AVX2 vpmaddubsw + vpmaddwd (pairs of u8 x s8 products
-// stay within int16: 2 * 32 * 127 at most), else a plain loop; chosen at compile time from the -march macros
+// stay within int16: 2 * 63 * 127 at most), else a plain loop; chosen at compile time from the -march macros
 // (the build cache is keyed by the CPU's flags). tests/test_quant_gemm_k.py builds this file a second and third
 // time with -mno-avx512vnni -mno-avxvnni (the AVX2 path) and -mno-avx2 (the plain loop) and tests each.
 //
@@ -96,15 +96,17 @@ inline int q6k_value(const uint8_t* p, int i) {
   return (low | high << 4) - 32;
 }
 
-// The rows of x as int8 blocks of 32: q and the remainder's q' [M, K], e / 256 and s [M, K / 32].
+// The rows of x as int8 blocks of 32: q and the remainder's q' [M, K], e / 256 and s [M, K / 32], and s over
+// each 16 values [M, K / 16] (Q6_K's offset).
 struct QuantizedRows {
   std::vector<int8_t> q, rest;
-  std::vector<float> e, s;
+  std::vector<float> e, s, s16;
   int64_t k = 0, blocks = 0;
   const int8_t* qrow(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
   const int8_t* rest_row(int64_t row, int64_t b) const { return rest.data() + row * k + b * kBlock; }
   float scale(int64_t row, int64_t b) const { return e[row * blocks + b]; }
   const float* sums(int64_t row, int64_t b) const { return s.data() + row * blocks + b; }
+  const float* sums16(int64_t row, int64_t b) const { return s16.data() + 2 * (row * blocks + b); }
 };
 
 template <typename T>
@@ -115,6 +117,7 @@ void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
   out.rest.resize(m * k);
   out.e.resize(m * out.blocks);
   out.s.resize(m * out.blocks);
+  out.s16.resize(2 * m * out.blocks);
   at::parallel_for(0, m * out.blocks, 256, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const T* src = x + i * kBlock;
@@ -125,15 +128,17 @@ void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
       }
       const float e = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int8_t *q = out.q.data() + i * kBlock, *rest = out.rest.data() + i * kBlock;
-      int sum = 0;
+      int sum[2] = {0, 0};
       for (int64_t j = 0; j < kBlock; ++j) {
         q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
         const float r = std::nearbyint((v[j] - e * q[j]) * inv * 256.f);
         rest[j] = static_cast<int8_t>(std::clamp(r, -127.f, 127.f));
-        sum += 256 * q[j] + rest[j];
+        sum[j / 16] += 256 * q[j] + rest[j];
       }
       out.e[i] = e / 256.f;
-      out.s[i] = e / 256.f * static_cast<float>(sum);
+      out.s[i] = e / 256.f * static_cast<float>(sum[0] + sum[1]);
+      out.s16[2 * i] = e / 256.f * static_cast<float>(sum[0]);
+      out.s16[2 * i + 1] = e / 256.f * static_cast<float>(sum[1]);
     }
   });
 }
@@ -165,21 +170,14 @@ inline __m256i block_sum(__m256i u, const QuantizedRows& x, int64_t row, int64_t
                           dot_u8_i8(u, load32(x.rest_row(row, b))));
 }
 
-// The same with signed weights v: |v| unsigned, x taking v's sign.
-inline __m256i signed_block_sum(__m256i v, const QuantizedRows& x, int64_t row, int64_t b) {
-  const __m256i u = _mm256_sign_epi8(v, v);
-  return _mm256_add_epi32(_mm256_slli_epi32(dot_u8_i8(u, _mm256_sign_epi8(load32(x.qrow(row, b)), v)), 8),
-                          dot_u8_i8(u, _mm256_sign_epi8(load32(x.rest_row(row, b)), v)));
-}
-
-// Q6_K run g (0..3) of a half: its 32 weights as q - 32, from the half's ql[0..32], ql[32..64] and qh.
+// Q6_K run g (0..3) of a half: its 32 weights' q (0..63), from the half's ql[0..32], ql[32..64] and qh.
 template <int G>
 inline __m256i q6k_run(__m256i ql0, __m256i ql1, __m256i qh) {
   const __m256i mask4 = _mm256_set1_epi8(15), mask2 = _mm256_set1_epi8(3);
   const __m256i ql = G & 1 ? ql1 : ql0;
   const __m256i low = _mm256_and_si256(G >= 2 ? _mm256_srli_epi16(ql, 4) : ql, mask4);
   const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * G), mask2), 4);
-  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+  return _mm256_or_si256(low, high);
 }
 
 // out[j * ROWS + r] = row r of the tile . row j of x, for ROWS rows of W and XS rows of x.
@@ -218,6 +216,12 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
       } else {
         alignas(32) float ds[16];
         q6k_scales(p, ds);
+        const __m256 ds0 = _mm256_load_ps(ds), ds1 = _mm256_load_ps(ds + 8);
+        for (int j = 0; j < XS; ++j) {  // 32 ds . s16 over the block, subtracted at the end with the mins
+          const float* s16 = x.sums16(x0 + j, b0);
+          mins[j][r] = _mm256_fmadd_ps(ds0, _mm256_loadu_ps(s16), mins[j][r]);
+          mins[j][r] = _mm256_fmadd_ps(ds1, _mm256_loadu_ps(s16 + 8), mins[j][r]);
+        }
         for (int h = 0; h < 2; ++h) {
           const __m256i ql0 = load32(p + 64 * h), ql1 = load32(p + 64 * h + 32), qh = load32(p + 128 + 32 * h);
           const __m256i runs[4] = {q6k_run<0>(ql0, ql1, qh), q6k_run<1>(ql0, ql1, qh), q6k_run<2>(ql0, ql1, qh),
@@ -226,7 +230,7 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
             const int s = 4 * h + g;  // the 32-block within the weight block; scales 2s (lanes 0-3), 2s + 1
             const __m256 scales = _mm256_set_m128(_mm_set1_ps(ds[2 * s + 1]), _mm_set1_ps(ds[2 * s]));
             for (int j = 0; j < XS; ++j) {
-              const __m256i sum = signed_block_sum(runs[g], x, x0 + j, b0 + s);
+              const __m256i sum = block_sum(runs[g], x, x0 + j, b0 + s);
               acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum),
                                           _mm256_mul_ps(scales, _mm256_set1_ps(x.scale(x0 + j, b0 + s))), acc[j][r]);
             }
@@ -236,7 +240,8 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
     }
   }
   for (int j = 0; j < XS; ++j)
-    for (int r = 0; r < ROWS; ++r) out[j * ROWS + r] = hsum(acc[j][r]) - hsum(mins[j][r]);
+    for (int r = 0; r < ROWS; ++r)
+      out[j * ROWS + r] = hsum(acc[j][r]) - (F == Format::kQ6_K ? 32.f : 1.f) * hsum(mins[j][r]);
 }
 #else
 // The plain loop: the same integer sums and scales as the SIMD path.
@@ -358,7 +363,9 @@ void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
 }
 
 // One block's 256 weights as float32, the gguf package's values: (d sc) q - (dmin m) and (d sc) (q - 32),
-// each product and difference rounded as numpy rounds it (fp-contract=off: GCC would fuse the Q4_K product and difference into one FMA).
+// each product and difference rounded as numpy rounds it (fp-contract=off: a compiler may fuse
+// Q4_K's product and difference into one FMA, which rounds once; GCC 12 -O3 happens not to, the attribute
+// makes it a rule).
 template <Format F>
 __attribute__((optimize("fp-contract=off"))) inline void dequantize_block(float* w, const uint8_t* p) {
   if constexpr (F == Format::kQ4_K) {
