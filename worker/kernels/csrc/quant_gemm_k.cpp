@@ -105,6 +105,7 @@ struct QuantizedRows {
   const int8_t* qrow(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
   const int8_t* rest_row(int64_t row, int64_t b) const { return rest.data() + row * k + b * kBlock; }
   float scale(int64_t row, int64_t b) const { return e[row * blocks + b]; }
+  const float* scales(int64_t row, int64_t b) const { return e.data() + row * blocks + b; }
   const float* sums(int64_t row, int64_t b) const { return s.data() + row * blocks + b; }
   const float* sums16(int64_t row, int64_t b) const { return s16.data() + 2 * (row * blocks + b); }
 };
@@ -170,6 +171,20 @@ inline __m256i block_sum(__m256i u, const QuantizedRows& x, int64_t row, int64_t
                           dot_u8_i8(u, load32(x.rest_row(row, b))));
 }
 
+// Q4_K's d sc and dmin m (as q4k_scales) with the 6-bit fields cut from three 32-bit words, 4 bytes at once.
+inline void q4k_scales_simd(const uint8_t* p, __m256& ds, __m256& dm) {
+  uint32_t w[3];
+  std::memcpy(w, p + 4, 12);
+  const uint32_t sc_low = w[0] & 0x3F3F3F3F, m_low = w[1] & 0x3F3F3F3F;
+  const uint32_t sc_high = (w[2] & 0x0F0F0F0F) | ((w[0] >> 2) & 0x30303030);  // bits 6-7 of bytes 0-3 as 4-5
+  const uint32_t m_high = ((w[2] >> 4) & 0x0F0F0F0F) | ((w[1] >> 2) & 0x30303030);
+  const auto widen = [](uint32_t low, uint32_t high) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, static_cast<int>(high), static_cast<int>(low))));
+  };
+  ds = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), widen(sc_low, sc_high));
+  dm = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p + 2)), widen(m_low, m_high));
+}
+
 // Q6_K run g (0..3) of a half: its 32 weights' q (0..63), from the half's ql[0..32], ql[32..64] and qh.
 template <int G>
 inline __m256i q6k_run(__m256i ql0, __m256i ql1, __m256i qh) {
@@ -196,10 +211,13 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
       _mm_prefetch(reinterpret_cast<const char*>(p + ROWS * row_bytes + 64), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(p + ROWS * row_bytes + 128), _MM_HINT_T0);
       if constexpr (F == Format::kQ4_K) {
-        alignas(32) float ds[8], dm[8];
-        q4k_scales(p, ds, dm);
-        const __m256 dmv = _mm256_load_ps(dm);
-        for (int j = 0; j < XS; ++j) mins[j][r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.sums(x0 + j, b0)), mins[j][r]);
+        __m256 dsv, dmv;
+        q4k_scales_simd(p, dsv, dmv);
+        alignas(32) float factors[XS][8];  // d sc_s e'_s for each sub-block s and row of x
+        for (int j = 0; j < XS; ++j) {
+          mins[j][r] = _mm256_fmadd_ps(dmv, _mm256_loadu_ps(x.sums(x0 + j, b0)), mins[j][r]);
+          _mm256_store_ps(factors[j], _mm256_mul_ps(dsv, _mm256_loadu_ps(x.scales(x0 + j, b0))));
+        }
         for (int pair = 0; pair < 4; ++pair) {
           const __m256i bytes = load32(p + 16 + 32 * pair);
           const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
@@ -207,16 +225,19 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
           for (int j = 0; j < XS; ++j) {
             const int64_t b = b0 + 2 * pair;
             const __m256i s0 = block_sum(lo, x, x0 + j, b), s1 = block_sum(hi, x, x0 + j, b + 1);
-            acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(ds[2 * pair] * x.scale(x0 + j, b)),
+            acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&factors[j][2 * pair]), acc[j][r]);
+            acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(&factors[j][2 * pair + 1]),
                                         acc[j][r]);
-            acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1),
-                                        _mm256_set1_ps(ds[2 * pair + 1] * x.scale(x0 + j, b + 1)), acc[j][r]);
           }
         }
       } else {
+        const __m256 d = _mm256_set1_ps(half_to_float(p + 208));
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+        const __m256 ds0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));  // as q6k_scales
+        const __m256 ds1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
         alignas(32) float ds[16];
-        q6k_scales(p, ds);
-        const __m256 ds0 = _mm256_load_ps(ds), ds1 = _mm256_load_ps(ds + 8);
+        _mm256_store_ps(ds, ds0);
+        _mm256_store_ps(ds + 8, ds1);
         for (int j = 0; j < XS; ++j) {  // 32 ds . s16 over the block, subtracted at the end with the mins
           const float* s16 = x.sums16(x0 + j, b0);
           mins[j][r] = _mm256_fmadd_ps(ds0, _mm256_loadu_ps(s16), mins[j][r]);
