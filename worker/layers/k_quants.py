@@ -8,7 +8,9 @@ Rules:
   return float32 [..., row bytes / block bytes * 256]: exactly the gguf package's values (the same float32
   products and differences, in the same order).
 - ``quant_gemm_k_kernel()`` is the ``quant_gemm_k`` extension (``quant_linear``, ``dequantize_rows``: the
-  interface of ``quant_gemm``), or None (one warning line) where it cannot be built.
+  interface of ``quant_gemm``), or None (one warning line) where it cannot be built. It serves up to
+  ``KERNEL_MAX_ROWS`` rows as the 32-weight kernel does; at 16 rows it is still 1.4x (Q4_K) and 1.7x (Q6_K)
+  faster than the dequantized tiles (a 3072 x 1536 weight, one thread's CPU time, 4 Dec 2026).
 """
 
 from __future__ import annotations

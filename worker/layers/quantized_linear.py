@@ -1,8 +1,8 @@
 """Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K) and multiplied without a float copy.
 
 Why: a decode step at one stream reads every weight once, so its time follows the weight bytes; a Q4_1
-weight is 0.625 bytes a value (Q4_K 0.5625, Q6_K 0.82) against 4 (float32) or 2 (bfloat16). Measured on a 2-core AMD EPYC with
-avx512_vnni, see README "Quantized GGUF weights".
+weight is 0.625 bytes a value (Q4_K 0.5625, Q6_K 0.82) against 4 (float32) or 2 (bfloat16). Measured on a
+2-core AMD EPYC with avx512_vnni, see README "Quantized GGUF weights".
 
 Rules:
 - `BlockQuantizedWeight` holds a [rows, in_features] matrix as the file's blocks (uint8 [rows, row bytes]),
@@ -12,8 +12,8 @@ Rules:
 - `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, up to ``KERNEL_MAX_ROWS`` rows: the
   ``quant_gemm`` C++ kernel (worker/kernels/csrc/quant_gemm.cpp: x quantized to int8 per block of 32, int8
   dot products, per-block scales; ``quant_gemm_k`` for the k-quants, the same activation rounding), within
-  the activation rounding of the float product. Elsewhere (more
-  rows, no compiler, ``REDSERVE_NO_KERNELS`` naming ``quant_gemm``, CUDA): the weight dequantized
+  the activation rounding of the float product. Elsewhere (more rows, no compiler, ``REDSERVE_NO_KERNELS``
+  naming ``quant_gemm`` or ``quant_gemm_k``, CUDA): the weight dequantized
   ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's ``dequantize_rows`` where it is built, else in
   torch) and multiplied with ``F.linear`` (float rounding only), so no whole float copy of the weight is
   ever made.
