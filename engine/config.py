@@ -32,7 +32,7 @@ class EngineConfig:
     budget in bytes on CPU (default 1 GiB, or ``REDSERVE_CPU_KV_CACHE_BYTES``); on CUDA the budget is
     ``gpu_memory_utilization`` of the device minus what the weights and activations take.
 
-    ``quantization``: ``gguf`` serves a GGUF file's Q8_0/Q4_0/Q4_1 tensors as their blocks
+    ``quantization``: ``gguf`` serves a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as their blocks
     (``worker.gguf_weights``; CPU only), ``none`` its dequantized conversion, ``auto`` (the default) follows
     the file: ``gguf`` for a GGUF on the CPU, else ``none``. ``gguf_file`` is the GGUF that ``model`` was
     converted from (set here; carried to the workers with the rest).

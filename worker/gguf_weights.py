@@ -5,7 +5,10 @@ GGUF on the CPU; ``engine.config``).
 Rules:
 - A layer is served quantized when every checkpoint tensor it holds is one `BlockFormat` in the file
   (q, k and v of one format for ``qkv_proj``; gate and up for ``gate_up_proj``); any other layer keeps its
-  float weight from the converted directory, and one log line names how many stayed float and why.
+  float weight from the converted directory, and one log line names how many stayed float and why. The
+  format is each tensor's own: a Q4_K_M file holds Q4_K and Q6_K where a row is a multiple of 256 weights
+  and other types where llama-quantize fell back (Q5_0, Q8_0: a model with 576 hidden features, as SmolLM2,
+  gets k-quants only in ffn_down).
 - The blocks are read with gguf's ``GGUFReader`` (a memory map) and copied into the layers; the reader is
   dropped after loading, so the file's pages are not held.
 - ``llama`` files carry q and k with their rows permuted for llama.cpp's RoPE; the rows are put back as

@@ -13,6 +13,8 @@ Rules:
 - The sources and headers are compiled from a copy inside the build dir, never from where they lie, so two
   checkouts (or an installed copy and a dev tree) with the same key share one build: torch's ninja file
   names its sources by path, and a different path would rebuild it, each checkout undoing the other's.
+- ``cflags`` adds compiler flags after ``CFLAGS`` (part of the build key): tests build a kernel again with
+  ``-mno-avx512vnni -mno-avxvnni`` or ``-mno-avx2`` to run the code paths of CPUs without those features.
 - ``python -m worker.kernels`` builds every ``csrc/*.cpp`` (``make install`` runs it), so serving finds
   the build in the cache instead of compiling on its first request.
 """
@@ -60,12 +62,12 @@ def _cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
-def build_key(sources: list[Path]) -> str:
+def build_key(sources: list[Path], cflags: tuple[str, ...] = ()) -> str:
     """16 hex digits over everything that makes a build unfit for reuse."""
     digest = hashlib.sha256()
     for path in [*sources, *sorted(CSRC.glob("*.h"))]:  # the shared headers any source may include
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (torch.__version__, " ".join(CFLAGS + LDFLAGS), _cpu_flags(), _LAYOUT):
+    for part in (torch.__version__, " ".join(CFLAGS + cflags + LDFLAGS), _cpu_flags(), _LAYOUT):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -83,8 +85,9 @@ def _missing_tool() -> str | None:
 
 
 @functools.cache
-def load_extension(name: str, sources: tuple[Path, ...] | None = None) -> ModuleType | None:
-    """The module built from ``sources`` (default ``csrc/<name>.cpp``), or None (one warning) if unbuildable."""
+def load_extension(name: str, sources: tuple[Path, ...] | None = None, cflags: tuple[str, ...] = ()) -> ModuleType | None:
+    """The module built from ``sources`` (default ``csrc/<name>.cpp``) with ``CFLAGS + cflags``, or None (one
+    warning) if unbuildable."""
     disabled = os.environ.get("REDSERVE_NO_KERNELS", "")
     if disabled == "1" or name in disabled.split(","):
         logger.warning("C++ kernel %r disabled by REDSERVE_NO_KERNELS=%s; using the PyTorch fallback", name, disabled)
@@ -95,7 +98,7 @@ def load_extension(name: str, sources: tuple[Path, ...] | None = None) -> Module
         return None
     paths = [Path(s) for s in sources] if sources else [CSRC / f"{name}.cpp"]
     try:
-        return _build(name, paths)
+        return _build(name, paths, tuple(cflags))
     except Exception as exc:  # a compiler error must never stop serving: the fallback is correct
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower() and "building" not in line), lines[0])
@@ -104,11 +107,11 @@ def load_extension(name: str, sources: tuple[Path, ...] | None = None) -> Module
         return None
 
 
-def _build(name: str, sources: list[Path]) -> ModuleType:
+def _build(name: str, sources: list[Path], cflags: tuple[str, ...] = ()) -> ModuleType:
     from filelock import FileLock
     from torch.utils import cpp_extension
 
-    build_dir = cache_root() / f"{name}-{build_key(sources)}"
+    build_dir = cache_root() / f"{name}-{build_key(sources, cflags)}"
     build_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(build_dir) + ".lock"):
         # torch's own baton file: a build killed midway leaves it behind and every later load would wait on
@@ -116,7 +119,7 @@ def _build(name: str, sources: list[Path]) -> ModuleType:
         (build_dir / "lock").unlink(missing_ok=True)
         copies = _copy_sources(build_dir / "src", sources)
         return cpp_extension.load(name=name, sources=[str(s) for s in copies], build_directory=str(build_dir),
-                                  extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), verbose=False)
+                                  extra_cflags=[*CFLAGS, *cflags], extra_ldflags=list(LDFLAGS), verbose=False)
 
 
 def _copy_sources(into: Path, sources: list[Path]) -> list[Path]:

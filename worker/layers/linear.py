@@ -7,8 +7,9 @@ input features and all-reduce their partial sums. With TP = 1 they are plain lin
 Rules:
 - A projection built with ``weight_format`` (a GGUF block format) holds its weight as blocks
   (`worker.layers.quantized_linear.BlockQuantizedWeight`, filled by ``load_quantized``) and has no float
-  weight Parameter; the checkpoint's float copy of it is never read. Its TP split cuts whole 32-weight blocks:
-  a row-parallel shard whose input features are not a multiple of 32 is a ValueError.
+  weight Parameter; the checkpoint's float copy of it is never read. Its TP split cuts whole blocks (32
+  weights, 256 for Q4_K / Q6_K): a row-parallel shard whose input features are not a multiple of the block
+  is a ValueError.
 - A quantized embedding dequantizes the rows it looks up; a tied LM head shares its blocks (`tie_to`).
 """
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.packed_gemm import MIN_ROWS, PackedWeight
-from worker.layers.quantized_linear import BLOCK, BlockFormat, BlockQuantizedWeight, QuantizedGemm
+from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight, QuantizedGemm
 from worker.layers.small_gemm import MAX_ROWS
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
@@ -85,9 +86,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.in_per_rank = _divide(in_features, tp_group().size, "input features")
-        if weight_format is not None and self.in_per_rank % BLOCK:
+        if weight_format is not None and self.in_per_rank % weight_format.block_weights:
             raise ValueError(f"a {weight_format.name} weight splits over tensor_parallel_size {tp_group().size} "
-                             f"only on {BLOCK}-weight blocks, and {in_features} input features give "
+                             f"only on {weight_format.block_weights}-weight blocks, and {in_features} input features give "
                              f"{self.in_per_rank} a rank; use another tensor_parallel_size or --quantization none")
         self.weight, self.gemm = _projection_weight(out_features, self.in_per_rank, dtype, weight_format)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None

@@ -1,23 +1,25 @@
-"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1) and multiplied without a float copy.
+"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K) and multiplied without a float copy.
 
 Why: a decode step at one stream reads every weight once, so its time follows the weight bytes; a Q4_1
-weight is 0.625 bytes a value against 4 (float32) or 2 (bfloat16). Measured on a 2-core AMD EPYC with
-avx512_vnni, see README "Quantized GGUF weights".
+weight is 0.625 bytes a value (Q4_K 0.5625, Q6_K 0.82) against 4 (float32) or 2 (bfloat16). Measured on a
+2-core AMD EPYC with avx512_vnni, see README "Quantized GGUF weights".
 
 Rules:
 - `BlockQuantizedWeight` holds a [rows, in_features] matrix as the file's blocks (uint8 [rows, row bytes]),
-  each row its ``in_features / 32`` blocks in GGML's layout; it dequantizes rows on demand (the embedding
-  lookup) in the model dtype.
+  each row its ``in_features / fmt.block_weights`` blocks in GGML's layout (32 weights a block; 256 for the
+  k-quants Q4_K and Q6_K, whose torch dequantization and kernel live in `worker.layers.k_quants`); it
+  dequantizes rows on demand (the embedding lookup) in the model dtype.
 - `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, takes one of three paths by its rows:
-  - up to ``KERNEL_MAX_ROWS``: the ``quant_gemm`` C++ kernel's int8 path (worker/kernels/csrc/quant_gemm.cpp: x
-    quantized to int8 per block of 32, int8 dot products, per-block scales), within the activation rounding of
-    the float product;
-  - more rows: the kernel's ``quant_matmul``, the weights decoded once a call and multiplied in x's dtype
-    (bfloat16 with the CPU's bf16 dot products where it has them), to float rounding;
-  - wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
-    ``quant_gemm``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's dtype (by the kernel's
-    ``dequantize_rows`` where it is built, else in torch) and multiplied with ``F.linear`` (float rounding
-    only), so no whole float copy of the weight is ever made.
+  - up to ``KERNEL_MAX_ROWS`` (the k-quants: ``K_QUANT_KERNEL_MAX_ROWS``): the C++ kernel's int8 path
+    (worker/kernels/csrc/quant_gemm.cpp, ``quant_gemm_k.cpp`` for the k-quants: x quantized to int8 per block
+    of 32, int8 dot products, per-block scales), within the activation rounding of the float product;
+  - more rows, 32-weight formats: the ``quant_gemm`` kernel's ``quant_matmul``, the weights decoded once a call
+    and multiplied in x's dtype (bfloat16 with the CPU's bf16 dot products where it has them), to float
+    rounding;
+  - more rows of a k-quant, and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
+    ``quant_gemm`` or ``quant_gemm_k``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's
+    dtype (by the kernel's ``dequantize_rows`` where it is built, else in torch) and multiplied with
+    ``F.linear`` (float rounding only), so no whole float copy of the weight is ever made.
 - `QuantizedGemm` is the ``gemm`` of a layer whose weight is a `BlockQuantizedWeight` (the interface of
   ``packed_gemm.PackedWeight``: ``matmul(x, weight, bias)``, ``invalidate()``).
 """
@@ -31,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kernels import load_extension
+from worker.layers import k_quants
 
-BLOCK = 32  # weights a block
+BLOCK = 32  # weights a block (of the 32-weight formats; `BlockFormat.block_weights`)
 # Where each path serves, from one thread's CPU time over SmolLM2's Q4_1 shapes (a layer's four projections and
 # the LM head; 2-core AMD EPYC with avx512_bf16 and avx512_vnni, 4 Dec 2026), ms for the int8 path /
 # quant_matmul float32 / quant_matmul bfloat16 / dequantized tiles + F.linear float32, and oneDNN's prepacked
@@ -40,6 +43,7 @@ BLOCK = 32  # weights a block
 # 9.7 / 11.3; 8 rows 10.7 / 12.9 / 9.3 / 16.3; 12 rows 15.9 / 13.4 / 9.7 / 18.3; 16 rows 21.8 / 13.8 / 10.2 /
 # 20.9 (12.8 / 6.9); 64 rows 82.8 / 43.5 / 26.1 / 59.6 (39.8 / 20.8); 256 rows 364 / 190 / 95 / 262 (176 / 77).
 KERNEL_MAX_ROWS = 8  # the int8 path's rows: it costs a row's products (~1.2 ms here) a row; quant_matmul beyond
+K_QUANT_KERNEL_MAX_ROWS = 16  # the k-quants' int8 path (no quant_matmul): at 16 rows 1.4-1.7x the tiles
 TILE_WEIGHTS = 1 << 18  # weights a dequantized tile holds in the F.linear path (1 MiB of float32: stays in L2)
 
 
@@ -49,15 +53,26 @@ class BlockFormat(IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    Q4_K = 12
+    Q6_K = 14
 
     @property
     def block_bytes(self) -> int:
-        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q8_0: 34}[self]
+        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q8_0: 34,
+                BlockFormat.Q4_K: k_quants.Q4_K_BYTES, BlockFormat.Q6_K: k_quants.Q6_K_BYTES}[self]
+
+    @property
+    def block_weights(self) -> int:
+        return 256 if self in (BlockFormat.Q4_K, BlockFormat.Q6_K) else BLOCK
 
 
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * 32]: computed in float32
-    (exact: the gguf package's values), then rounded once to ``dtype``."""
+    """uint8 blocks [..., row bytes] -> the weights [..., row bytes / block bytes * block weights]: computed in
+    float32 (exact: the gguf package's values), then rounded once to ``dtype``."""
+    if fmt is BlockFormat.Q4_K:
+        return k_quants.dequantize_q4_k(blocks).to(dtype)
+    if fmt is BlockFormat.Q6_K:
+        return k_quants.dequantize_q6_k(blocks).to(dtype)
     shape = blocks.shape[:-1]
     b = blocks.reshape(*shape, -1, fmt.block_bytes)
     halves = b.view(torch.float16)  # every block is an even number of bytes: its scales are aligned halves
@@ -76,10 +91,12 @@ class BlockQuantizedWeight(nn.Module):
 
     def __init__(self, fmt: BlockFormat, rows: int, in_features: int, dtype: torch.dtype):
         super().__init__()
-        if in_features % BLOCK:
-            raise ValueError(f"a {fmt.name} weight needs in_features divisible by {BLOCK}, got {in_features}")
+        if in_features % fmt.block_weights:
+            raise ValueError(f"a {fmt.name} weight needs in_features divisible by {fmt.block_weights}, "
+                             f"got {in_features}")
         self.fmt, self.in_features, self.dtype = fmt, in_features, dtype
-        self.register_buffer("blocks", torch.zeros(rows, in_features // BLOCK * fmt.block_bytes, dtype=torch.uint8))
+        self.register_buffer("blocks", torch.zeros(rows, in_features // fmt.block_weights * fmt.block_bytes,
+                                                   dtype=torch.uint8))
 
     @property
     def shape(self) -> torch.Size:
@@ -98,16 +115,22 @@ def quant_gemm_kernel():
     return load_extension("quant_gemm")
 
 
+def kernel_for(fmt: BlockFormat):
+    """The kernel module that multiplies ``fmt`` (``quant_gemm``, or ``quant_gemm_k`` for the k-quants), or None."""
+    return k_quants.quant_gemm_k_kernel() if fmt.block_weights != BLOCK else quant_gemm_kernel()
+
+
 def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ b)`` for x [..., in_features] (see the module rules for the path taken)."""
     rows = x.reshape(-1, weight.in_features)
     kernel = None
     if (rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16)
             and (bias is None or bias.dtype == rows.dtype)):
-        kernel = quant_gemm_kernel()
-    if kernel is None:
+        kernel = kernel_for(weight.fmt)
+    k_quant = weight.fmt.block_weights != BLOCK
+    if kernel is None or (k_quant and rows.shape[0] > K_QUANT_KERNEL_MAX_ROWS):
         out = tiled_linear(rows, weight, bias)
-    elif rows.shape[0] <= KERNEL_MAX_ROWS:
+    elif rows.shape[0] <= (K_QUANT_KERNEL_MAX_ROWS if k_quant else KERNEL_MAX_ROWS):
         out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype)
         kernel.quant_linear(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
     else:
@@ -122,7 +145,7 @@ def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
     n = weight.blocks.shape[0]
     step = max(1, TILE_WEIGHTS // weight.in_features)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    kernel = quant_gemm_kernel() if x.device.type == "cpu" else None
+    kernel = kernel_for(weight.fmt) if x.device.type == "cpu" else None
     for first in range(0, n, step):
         last = min(n, first + step)
         if kernel is not None:
