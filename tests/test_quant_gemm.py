@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from worker.kernels import build
 from worker.layers import quantized_linear
 from worker.layers.quantized_linear import (
     KERNEL_MAX_ROWS,
@@ -177,6 +178,23 @@ def test_the_tiled_path_equals_the_float_product(monkeypatch, fmt, m, n, k, dequ
     torch.testing.assert_close(tiled_linear(x, weight_of(fmt, blocks, k), b).double(), exact, rtol=1e-5, atol=1e-4)
 
 
+# quant_matmul as built for this CPU, and built again without AVX-512 (the float path in 8-lane vectors, bfloat16 x
+# widened to float32) and without AVX2 (the plain loop).
+MATMUL_VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2",)}
+
+
+@pytest.fixture(scope="module", params=list(MATMUL_VARIANTS))
+def matmul_kernel(request):
+    if request.param == "native":
+        module = quant_gemm_kernel()
+    else:
+        module = build.load_extension(f"quant_gemm_{request.param}", (build.CSRC / "quant_gemm.cpp",),
+                                      MATMUL_VARIANTS[request.param])
+    if module is None:
+        pytest.skip(f"the quant_gemm kernel ({request.param}) does not build here; the torch path serves")
+    return module
+
+
 MATMUL_SHAPES = [(13, 13, 32), (17, 67, 96), (33, 130, 576), (40, 64, 1536), (64, 200, 576), (100, 7, 96)]
 
 
@@ -200,14 +218,14 @@ def run_matmul(kernel, x: torch.Tensor, blocks: np.ndarray, fmt: BlockFormat, bi
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", MATMUL_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_many_rows_multiply_to_float_rounding(kernel, fmt, m, n, k, dtype) -> None:
+def test_many_rows_multiply_to_float_rounding(matmul_kernel, fmt, m, n, k, dtype) -> None:
     """``quant_matmul`` (the weights decoded once a call) has no activation rounding: bfloat16 x is multiplied
     as it is (the bf16 dot products' products are exact), float32 x in float32. Odd shapes leave a partial
     tile of rows, of columns and of a column block."""
     blocks, w = quantized(fmt, n, k, seed=m + n)
     x = activations(m, k, seed=k + m).to(dtype)
     b = torch.randn(n).to(dtype)
-    out = run_matmul(kernel, x, blocks, fmt, b)
+    out = run_matmul(matmul_kernel, x, blocks, fmt, b)
     exact = x.double() @ torch.from_numpy(w).T + b.double()
     bound = matmul_bound(x.float(), w)
     if dtype == torch.bfloat16:
@@ -217,7 +235,7 @@ def test_many_rows_multiply_to_float_rounding(kernel, fmt, m, n, k, dtype) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_many_rows_split_over_threads_give_the_same_bits(kernel, dtype) -> None:
+def test_many_rows_split_over_threads_give_the_same_bits(matmul_kernel, dtype) -> None:
     """Column blocks of 64 are split over torch's threads; 1000 columns leave a partial block and 70 rows a
     partial tile of rows."""
     blocks, _ = quantized(BlockFormat.Q4_1, 1000, 576, seed=21)
@@ -225,9 +243,9 @@ def test_many_rows_split_over_threads_give_the_same_bits(kernel, dtype) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run_matmul(kernel, x, blocks, BlockFormat.Q4_1)
+        single = run_matmul(matmul_kernel, x, blocks, BlockFormat.Q4_1)
         torch.set_num_threads(3)
-        assert torch.equal(run_matmul(kernel, x, blocks, BlockFormat.Q4_1), single)
+        assert torch.equal(run_matmul(matmul_kernel, x, blocks, BlockFormat.Q4_1), single)
     finally:
         torch.set_num_threads(before)
 

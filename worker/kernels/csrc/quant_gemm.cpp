@@ -436,7 +436,7 @@ struct FloatVec {
 #endif
 constexpr int64_t kLanes = FloatVec::L;
 
-// acc[c * MV * L + i] += sum over k in [k0, k1) of xp[k][i] * w[c][k], for kColsPerTile columns and MV vectors
+// acc[c * MV * L + i] += sum over k in [k0, k1) of xp[k][i] * w[c][k], for NC columns and MV vectors
 // of rows (xp already offset to the tile's first row).
 template <int MV, int NC = kColsPerTile * kRowVectors / MV>
 inline void float_tile(float* acc_io, const float* xp, int64_t stride, const float* w, int64_t k, int64_t k0, int64_t k1) {
@@ -462,7 +462,7 @@ inline void float_tile(float* acc_io, const float* xp, int64_t stride, const flo
 constexpr int64_t kLanes = 8;
 template <int MV, int NC = kColsPerTile * kRowVectors / MV>
 inline void float_tile(float* acc_io, const float* xp, int64_t stride, const float* w, int64_t k, int64_t k0, int64_t k1) {
-  for (int c = 0; c < kColsPerTile; ++c)
+  for (int c = 0; c < NC; ++c)
     for (int64_t i = 0; i < MV * kLanes; ++i)
       for (int64_t j = k0; j < k1; ++j) acc_io[c * MV * kLanes + i] += xp[j * stride + i] * w[c * k + j];
 }
