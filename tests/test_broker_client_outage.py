@@ -16,9 +16,13 @@ from redserve.redis_server import EmbeddedRedis
 
 
 def test_redis_restart_mid_stream(redis_keys):
+    """A started request that may not be resumed (max_migrations=0 here; the fake engine's params would not
+    resume anyway) ends with broker_disconnected on the restart; resumable ones are covered by
+    test_api_redis_restart.py and test_redis_sentinel.py with a real engine."""
     with EmbeddedRedis() as server:
         engine = FakeEngine(server.url, redis_keys, "e0", ttl=1.0).start()
-        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=5)
+        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=5,
+                              max_migrations=0)
         try:
             assert client.wait_subscribed(5)
             assert [o.new_token_ids[0] for o in collect(client.submit(add(max_tokens=2)))] == [1001, 1002]
