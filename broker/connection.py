@@ -184,6 +184,27 @@ def _sentinel_client(s: SentinelUrl, connect_timeout: float, kwargs: dict) -> re
                                connection_class=_FailoverConnection, **kwargs)
 
 
+def redis_address(url: str) -> tuple[str, int]:
+    """(host, port) a process reaches Redis at first: the URL's server, or a sentinel URL's first sentinel
+    (to pick the local interface towards Redis)."""
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).sentinels[0]
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 6379
+
+
+def replication_topology(client: redis.Redis) -> dict | None:
+    """For a client from a sentinel URL: {"master_name", "primary": "HOST:PORT", "replicas": [...]} as the
+    sentinels see them now (healthy replicas only); None for a client of one server."""
+    pool = client.connection_pool
+    manager = getattr(pool, "sentinel_manager", None)
+    if manager is None:
+        return None
+    host, port = manager.discover_master(pool.service_name)
+    replicas = [f"{h}:{p}" for h, p in manager.discover_slaves(pool.service_name)]
+    return {"master_name": pool.service_name, "primary": f"{host}:{port}", "replicas": replicas}
+
+
 def primary_url(url: str) -> str:
     """`url` itself, or for a sentinel URL the redis:// URL of the primary the sentinels name now (for tools
     such as redis-cli that speak to one server); raises redis.ConnectionError when no sentinel answers."""
