@@ -78,6 +78,8 @@ class OutputListener:
         elif failures == 0:
             logger.warning("client %s: output subscription lost (%s); resubscribing", client_id, error)
         failed, kept = self._table.lose_subscription(self._resubmit_limit, self._resume_blocker)
+        if failures and not failed:
+            return  # still reconnecting: the requests kept were reported on the first failure
         if failed:
             logger.warning("client %s: failed %d request(s) in flight after losing Redis", client_id, failed)
         if kept:
