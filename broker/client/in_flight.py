@@ -99,6 +99,8 @@ class InFlightTable:
         self._gone: dict[str, Verdict] = {}
         self._subscribed = False
         self._subscribed_event = threading.Event()
+        self._lost_subscription = False
+        self._resubscribed_at: float | None = None  # monotonic time the subscription came back after a loss
         self._liveness_due = threading.Event()  # an engine was declared gone between liveness checks
 
     # ----------------------------------------------------------------- the output subscription
@@ -109,6 +111,11 @@ class InFlightTable:
 
     def wait_subscribed(self, timeout: float) -> bool:
         return self._subscribed_event.wait(timeout)
+
+    def since_resubscribed(self) -> float:
+        """Seconds since the subscription came back after being lost (inf if it never was lost)."""
+        at = self._resubscribed_at
+        return float("inf") if at is None else time.monotonic() - at
 
     def set_subscribed(self, up: bool) -> None:
         with self._lock:
@@ -122,6 +129,7 @@ class InFlightTable:
         broker_disconnected. Returns (failed, kept)."""
         with self._lock:
             self._set_subscribed_locked(False)
+            self._lost_subscription = True
             failed = kept = 0
             for mb in self._requests_locked():
                 resend = not mb.got_output and mb.resubmits < resubmit_limit
@@ -140,6 +148,9 @@ class InFlightTable:
     def _set_subscribed_locked(self, up: bool) -> None:
         self._subscribed = up
         if up:
+            if self._lost_subscription:
+                self._lost_subscription = False
+                self._resubscribed_at = time.monotonic()
             if any(mb.lost_with_redis for mb in self._mailboxes.values()):
                 self._liveness_due.set()  # send them again now, not at the next periodic check
             self._subscribed_event.set()
