@@ -161,6 +161,8 @@ class Stack:
         self._counter: redis.Redis | None = None
         self._redis_watch: RedisWatch | None = None
         self._node_watches: list[RedisWatch] = []
+        if getattr(args, "redis_replicas", 0) < 0:
+            raise ValueError(f"--redis-replicas must be >= 0, got {args.redis_replicas}")
         if getattr(args, "redis_replicas", 0) and args.redis_url:
             raise ValueError("--redis-replicas starts an embedded replicated Redis; with --redis-url point at your "
                              "own Sentinel deployment instead (a redis+sentinel:// URL)")

@@ -179,3 +179,15 @@ def test_celery_gets_its_sentinel_transport() -> None:
                                              "sentinel_kwargs": {"username": "redserve", "password": "pw"}}
     assert celery_transport_options(url + "?sentinel_password=")["sentinel_kwargs"] == {}
     assert celery_transport_options("redis://u:p@h:1/0") == {}
+
+
+def test_serve_takes_replicas_only_for_its_own_redis(tmp_path) -> None:
+    from redserve.cli import build_parser
+    from redserve.stack import Stack
+
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="own Sentinel deployment"):
+        Stack(parse(["serve", "--model", str(tmp_path), "--redis-url", "redis://h:1/0", "--redis-replicas", "2"]))
+    with pytest.raises(ValueError, match=">= 0"):
+        Stack(parse(["serve", "--model", str(tmp_path), "--redis-replicas", "-1"]))
+    assert parse(["serve", "--model", str(tmp_path)]).redis_replicas == 0  # `make serve`: one server, as before
