@@ -110,12 +110,16 @@ class RedisWatch:
         self.ready_to_restart = ready_to_restart or (lambda: True)
         self.record = Child(ChildSpec(name, [], {}, 0.0), started_at=time.monotonic())
 
+    @property
+    def _label(self) -> str:
+        return "" if self.name == self.NAME else f" {self.name}"
+
     def check(self) -> None:
         now, record = time.monotonic(), self.record
         if record.restart_at is None:
             if not self.server.running:
                 code = self.server.returncode or 0
-                logger.error("the embedded Redis %s (pid %s) %s", self.name, self.server.pid, describe_exit(code))
+                logger.error("the embedded Redis%s (pid %s) %s", self._label, self.server.pid, describe_exit(code))
                 self.supervisor.plan_restart(record, code, now)
         elif now >= record.restart_at and self.ready_to_restart():
             record.restarts.append(now)
@@ -124,11 +128,11 @@ class RedisWatch:
             try:
                 self.server.restart()
             except RuntimeError as e:
-                logger.error("could not restart the embedded Redis %s: %s", self.name, e)
+                logger.error("could not restart the embedded Redis%s: %s", self._label, e)
                 self.supervisor.plan_restart(record, 1, time.monotonic())
                 return
-            logger.warning("restarted the embedded Redis %s (pid %d, same port and passwords; restart %d within "
-                           "%.0f s)", self.name, self.server.pid, len(record.restarts),
+            logger.warning("restarted the embedded Redis%s (pid %d, same port and passwords; restart %d within "
+                           "%.0f s)", self._label, self.server.pid, len(record.restarts),
                            self.supervisor.policy.restart_window)
             self.on_restart(self.name)
 
