@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -130,12 +131,32 @@ def test_replica_and_sentinel_kills_are_invisible(replicated_stack) -> None:
 
 
 def test_primary_killed_mid_stream_fails_over_and_every_stream_completes(replicated_stack) -> None:
+    """Started streams resume; requests the (paused) engine had not read yet are sent again and answered."""
     rr, stack = replicated_stack
     expected = _reference(stack.base_url)
     old_primary = rr.primary_address()
     primary_node = next(node for node in rr.data.values() if node.address == old_primary)
-    done = _run_through(stack, lambda: os.kill(primary_node.pid, signal.SIGKILL))
+    queued: list = []
+
+    def fault() -> None:
+        r = connect(rr.url)
+        os.kill(stack.engine.pid, signal.SIGSTOP)
+        try:
+            before = r.xlen("rs:req:0")
+            body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+            queued.extend(ThreadPoolExecutor(2).submit(requests.post, f"{stack.base_url}/v1/completions",
+                                                       json=body, timeout=60) for _ in range(2))
+            poll(lambda: r.xlen("rs:req:0") >= before + 2, 10, "two requests queued")
+            os.kill(primary_node.pid, signal.SIGKILL)
+        finally:
+            os.kill(stack.engine.pid, signal.SIGCONT)
+            r.close()
+
+    done = _run_through(stack, fault)
     assert [(s.error, s.text, (s.usage or {}).get("completion_tokens")) for s in done] == [(None, expected, MAX_TOKENS)] * 4
+    answers = [f.result() for f in queued]
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert [a.json()["usage"]["completion_tokens"] for a in answers] == [8, 8]
     longest = max(s.longest_gap for s in done)
     print(f"longest stream pause across the failover: {longest:.2f} s")
     assert longest < 10.0, [s.longest_gap for s in done]
