@@ -6,12 +6,17 @@ time to recover (s) | un-started requests lost. Loopback only; every wait is bou
 everything under it are killed at the end whatever happens.
 
     python benchmarks/fault_matrix.py [--model DIR] [--streams 150]
+    python benchmarks/fault_matrix.py --redis-replicas 2 [--failover-streams 32]   # the Sentinel rows only
 
 Rules:
 - "time to recover" runs from the fault to the first completion that succeeds again (or, for a request
   that must be refused, to its answer).
 - Requests are "un-started" when they sit in an engine's request stream that the (SIGSTOPped) engine has
   not read yet; "lost" counts those that did not end with 200.
+- With ``--redis-replicas N`` the stack runs a primary, N replicas and three sentinels, and the matrix has the
+  Redis rows of that mode: the primary, a replica and a sentinel killed under streams in flight. "exact"
+  counts streams that ended with [DONE], no error event and all their tokens (the usage chunk);
+  "longest pause" is the longest wait between two events of any stream.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from api.batch.store import BatchStore  # noqa: E402
-from broker.connection import connect  # noqa: E402
+from broker.connection import connect, replication_topology  # noqa: E402
 from broker.keys import RedisKeys  # noqa: E402
 from redserve.proc_tree import alive, children, descendants, socket_owner, title  # noqa: E402
 from redserve.redis_server import pdeathsig_preexec, redis_cli_invocation  # noqa: E402
@@ -89,7 +94,7 @@ def percentile(values: list[float], q: float) -> float:
 class ServeStack:
     """One `redserve serve` in a temp dir, with helpers to find and break its parts."""
 
-    def __init__(self, model: str, workdir: Path, api_workers: int) -> None:
+    def __init__(self, model: str, workdir: Path, api_workers: int, redis_replicas: int = 0) -> None:
         self.state_dir = workdir / "state"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -98,14 +103,27 @@ class ServeStack:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             cli("serve", "--model", model, "--dtype", "float32", "--port", str(self.port), "--api-workers",
-                str(api_workers)), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                str(api_workers), "--redis-replicas", str(redis_replicas)), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
             start_new_session=True, preexec_fn=pdeathsig_preexec())
 
     def state(self) -> dict:
         return json.loads((self.state_dir / "stack.json").read_text())
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.state()["redis_url"], socket_timeout=5)
+        return connect(self.state()["redis_url"], socket_timeout=5)
+
+    def redis_node(self, role: str) -> int:
+        """The pid of a data node in `role` (primary or replica) as the sentinels see it now, or of a sentinel."""
+        client = self.redis()
+        try:
+            topology = replication_topology(client)
+        finally:
+            client.close()
+        address = topology["primary"] if role == "primary" else topology["replicas"][0] if role == "replica" else None
+        for node in self.state()["redis_nodes"]:
+            if (address is None and node["role"] == "sentinel") or node["address"] == address:
+                return node["pid"]
+        raise LookupError(f"no Redis node in role {role}: {topology}")
 
     def child(self, name: str, but: int | None = None) -> int:
         def find() -> int | None:
@@ -140,7 +158,8 @@ class Stream:
     def __init__(self, stack: ServeStack, max_tokens: int) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
         body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        self.max_tokens, self.tokens, self.longest_gap = max_tokens, None, 0.0
         self.conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         self.client_port = self.conn.sock.getsockname()[1]
         self.response = self.conn.getresponse()
@@ -149,11 +168,20 @@ class Stream:
             self.response.readline()  # the first event: mid-stream from here on
             threading.Thread(target=self._read, daemon=True).start()
 
+    @property
+    def exact(self) -> bool:
+        return self.outcome == "completed" and self.tokens == self.max_tokens
+
     def _read(self) -> None:
         try:
-            errors = 0
+            errors, last = 0, time.monotonic()
             while line := self.response.readline():
+                now = time.monotonic()
+                self.longest_gap, last = max(self.longest_gap, now - last), now
                 errors += line.startswith(b'data: {"error"')
+                if line.startswith(b"data: {") and b'"usage"' in line:
+                    usage = json.loads(line[6:]).get("usage") or {}
+                    self.tokens = usage.get("completion_tokens", self.tokens)
                 if line.strip() == b"data: [DONE]":
                     self.outcome = "error event" if errors else "completed"
                     return
@@ -300,6 +328,45 @@ def redis_kill(stack: ServeStack) -> Row:
             f"queued: {queued}", f"{recovered:.1f}", f"{lost} of 3 (no persistence)")
 
 
+def _stream_summary(streams: list[Stream]) -> str:
+    exact = sum(s.exact for s in streams)
+    outcomes = Counter(s.outcome for s in streams if not s.exact)
+    other = "".join(f", {v}x {k}" for k, v in sorted(outcomes.items()))
+    return f"{exact}/{len(streams)} streams exact{other}; longest pause {max(s.longest_gap for s in streams):.2f} s"
+
+
+def _finished(streams: list[Stream], timeout: float = 180) -> None:
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: all(s.outcome != "open" for s in streams), timeout, "streams to end")
+
+
+def redis_primary_kill(stack: ServeStack, streams: int) -> Row:
+    engine = stack.child("engine-0")
+    running = [Stream(stack, 300) for _ in range(streams)]
+    threads, results = queue_unstarted(stack, engine)
+    primary = stack.redis_node("primary")
+    try:
+        os.kill(primary, signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    recovered = stack.wait_served(killed)
+    _finished(running)
+    queued, lost = joined(threads, results)
+    return ("Redis primary kill -9 (Sentinel)", f"{streams} streams mid-way, 3 queued (engine SIGSTOPped), "
+            "SIGKILL the primary", f"{_stream_summary(running)}; queued: {queued}", f"{recovered:.1f}", f"{lost} of 3")
+
+
+def redis_node_kill(stack: ServeStack, role: str, streams: int = 8) -> Row:
+    running = [Stream(stack, 300) for _ in range(streams)]
+    os.kill(stack.redis_node(role), signal.SIGKILL)
+    killed = time.monotonic()
+    recovered = stack.wait_served(killed)
+    _finished(running)
+    return (f"Redis {role} kill -9 (Sentinel)", f"{streams} streams mid-way, SIGKILL one {role}",
+            _stream_summary(running), f"{recovered:.1f}", "-")
+
+
 def garbage_control_state(stack: ServeStack) -> Row:
     argv, extra_env = redis_cli_invocation(stack.state()["admin_redis_url"])
     env = {**os.environ, **extra_env}
@@ -389,14 +456,24 @@ def ctrl_c(stack: ServeStack) -> Row:
             f"lingering pids: {lingering or 'none'}")
 
 
-def run(model: str, streams: int) -> list[Row]:
+def sentinel_steps(stack: ServeStack, streams: int) -> list[Callable[[], Row]]:
+    """The rows of ``--redis-replicas``: a replica and a sentinel (nothing visible), then the primary."""
+    def settled() -> bool:
+        nodes = stack.state()["redis_nodes"]
+        return all(alive(n["pid"]) for n in nodes)
+    return [lambda: redis_node_kill(stack, "replica"),
+            lambda: (wait_for(settled, 60, "the replica back"), redis_node_kill(stack, "sentinel"))[1],
+            lambda: (wait_for(settled, 60, "the sentinel back"), redis_primary_kill(stack, streams))[1]]
+
+
+def run(model: str, streams: int, redis_replicas: int = 0, failover_streams: int = 32) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="redserve-faults-"))
-    stack = ServeStack(model, workdir, api_workers=2)
+    stack = ServeStack(model, workdir, api_workers=2, redis_replicas=redis_replicas)
     rows: list[Row] = []
     try:
         wait_for(stack.served, 180, "the stack to serve", interval=0.5)
         ctx = 2048 + 10
-        steps: list[Callable[[], Row]] = [
+        steps: list[Callable[[], Row]] = sentinel_steps(stack, failover_streams) if redis_replicas else [
             lambda: engine_kill(stack), lambda: coordinator_kill(stack), lambda: api_master_kill(stack),
             lambda: api_worker_kill(stack), lambda: redis_kill(stack), lambda: batch_worker_kill(stack, workdir),
             lambda: garbage_control_state(stack),
@@ -428,6 +505,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
     parser.add_argument("--streams", type=int, default=150, help="concurrent streams in the load row")
+    parser.add_argument("--redis-replicas", type=int, default=0,
+                        help="N >= 1: run the Sentinel rows (primary, replica, sentinel killed) on N replicas instead")
+    parser.add_argument("--failover-streams", type=int, default=32, help="streams in flight when the primary dies")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -435,7 +515,7 @@ def main() -> None:
         model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="redserve-tiny-")) / "tiny-llama", arch="llama",
                                     seed=0, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                     intermediate_size=256, vocab_size=1024))
-    rows = run(model, args.streams)
+    rows = run(model, args.streams, args.redis_replicas, args.failover_streams)
     print("| fault | what was done | what clients saw | time to recover (s) | un-started requests lost |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -15,6 +15,14 @@ Rules:
   authentication error; TLS settings come from the URL (``rediss://...?ssl_ca_certs=PATH&ssl_cert_reqs=required``).
 - One `redis.Redis` per process is enough and is thread-safe (it holds a connection pool);
   redis-py resets the pool in a forked child, but create clients after fork anyway.
+- Sentinel mode: ``redis+sentinel://[USER:PASS@]HOST1:PORT1[,HOST2:PORT2...]/MASTER[/DB]`` names the
+  sentinels and the master's name; `connect` returns redis-py's `Sentinel.master_for` client, which asks
+  the sentinels for the primary on every (re)connect and drops a connection to a primary that was demoted.
+  The URL's user and password authenticate to the data nodes and, unless ``?sentinel_username=U&
+  sentinel_password=P`` say otherwise (``sentinel_password=`` empty: sentinels without auth), to the
+  sentinels too. By default a command is retried for `FAILOVER_WINDOW` seconds (not a number of times):
+  long enough for the sentinels to notice a dead primary and promote a replica, so callers see a pause,
+  not an error. An explicit `retries` (0 for the pub/sub listener) keeps its meaning in both modes.
 """
 
 from __future__ import annotations
@@ -23,17 +31,116 @@ import logging
 import re
 import socket
 import time
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from broker.errors import BrokerUnavailable
 
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
+SENTINEL_SCHEME = "redis+sentinel"
+DEFAULT_RETRIES = 5
+FAILOVER_WINDOW = 20.0
+"""Seconds a sentinel-mode client keeps retrying a command: a failover of the embedded setup takes ~2-3 s
+(``down-after-milliseconds`` 1000), an existing deployment's ``down-after-milliseconds`` adds to it."""
+_FAILOVER_BACKOFF_CAP = 0.2
+_SENTINEL_QUERY_TIMEOUT = 0.5
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A parsed ``redis+sentinel://`` URL (see the module rules)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(f"{SENTINEL_SCHEME}://")
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """The parts of a ``redis+sentinel://`` URL; ValueError saying what is wrong with a bad one."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL: {mask_url(url)}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if ":" in userinfo else ("", "", userinfo)
+    sentinels = tuple(_host_port(h) for h in hosts.split(",") if h)
+    path = [p for p in parts.path.split("/") if p]
+    if not sentinels or not path or len(path) > 2:
+        raise ValueError(f"a sentinel URL is {SENTINEL_SCHEME}://[USER:PASS@]HOST:PORT[,HOST:PORT...]/MASTER[/DB], "
+                         f"got {mask_url(url)}")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = set(query) - {"sentinel_username", "sentinel_password"}
+    if unknown:
+        raise ValueError(f"unsupported option(s) {', '.join(sorted(unknown))} in {mask_url(url)}")
+    username, password = unquote(username) or None, unquote(password) or None
+    if "sentinel_password" in query:
+        s_user, s_pass = query.get("sentinel_username") or None, query["sentinel_password"] or None
+    else:
+        s_user, s_pass = query.get("sentinel_username") or username, password
+    db = path[1] if len(path) == 2 else "0"
+    if not db.isdigit():
+        raise ValueError(f"the database in {mask_url(url)} must be a number, got {db!r}")
+    return SentinelUrl(sentinels, unquote(path[0]), int(db), username, password, s_user, s_pass)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"a sentinel address must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def sentinel_url(sentinels: list[tuple[str, int]], master: str, username: str | None = None,
+                 password: str | None = None, db: int = 0) -> str:
+    """The ``redis+sentinel://`` URL of these sentinels' `master` (the inverse of `parse_sentinel_url`)."""
+    auth = ""
+    if password is not None:
+        auth = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
+    hosts = ",".join(f"{h}:{p}" for h, p in sentinels)
+    return f"{SENTINEL_SCHEME}://{auth}{hosts}/{quote(master, safe='')}/{db}"
+
+
+class FailoverRetry(Retry):
+    """redis-py's Retry bounded by time, not by count: each call retries for up to `window` seconds."""
+
+    def __init__(self, window: float, backoff_cap: float = _FAILOVER_BACKOFF_CAP) -> None:
+        super().__init__(ExponentialBackoff(cap=backoff_cap, base=0.05), -1, supported_errors=_RETRYABLE)
+        self.window = window
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # noqa: ANN001, ANN201
+        deadline = time.monotonic() + self.window
+
+        def in_window(error: Exception) -> bool:
+            return time.monotonic() < deadline and (is_retryable is None or is_retryable(error))
+
+        return super().call_with_retry(do, fail, in_window, with_failure_count)
+
+
+class _FailoverConnection(SentinelManagedConnection):
+    """redis-py's sentinel-managed connection, which also asks the sentinels again when a retried command
+    reconnects: redis-py's own reconnects such a connection to the address it had, the dead primary."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock:
+            return
+        if retry_socket_connect:  # a command reconnecting (not `connect_to`, which passes False)
+            self.connect()
+            return
+        super().connect_check_health(check_health=check_health, retry_socket_connect=False)
 
 
 def connect(
@@ -41,31 +148,76 @@ def connect(
     *,
     socket_timeout: float = 5.0,
     connect_timeout: float = 2.0,
-    retries: int = 5,
+    retries: int | None = None,
     backoff_cap: float = 1.0,
     health_check_interval: int = 15,
     client_name: str | None = None,
 ) -> redis.Redis:
-    """A client for `url` (redis://, rediss:// or unix://) with the module's retry policy.
+    """A client for `url` (redis://, rediss://, unix:// or redis+sentinel://) with the module's retry policy.
 
     `retries=0` gives a client that raises on the first connection error (used for the pub/sub
     listener, which must notice every disconnect to know that messages may have been lost).
+    `retries=None`: `DEFAULT_RETRIES`, or in sentinel mode retries for `FAILOVER_WINDOW` seconds.
     """
     logger.debug("Redis client for %s (client name %s)", mask_url(url), client_name)
-    retry = Retry(ExponentialBackoff(cap=backoff_cap, base=0.05), retries, supported_errors=_RETRYABLE)
+    sentinel_mode = is_sentinel_url(url)
+    if retries is None and sentinel_mode:
+        retry: Retry = FailoverRetry(FAILOVER_WINDOW)
+    else:
+        retries = DEFAULT_RETRIES if retries is None else retries
+        retry = Retry(ExponentialBackoff(cap=backoff_cap, base=0.05), retries, supported_errors=_RETRYABLE)
     tcp_only = {} if url.startswith("unix:") else {"socket_keepalive": True}
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=connect_timeout,
-        retry=retry,
-        retry_on_error=[redis.BusyLoadingError],
-        health_check_interval=health_check_interval,
-        client_name=client_name,
-        protocol=2,
-        decode_responses=False,
-        **tcp_only,
-    )
+    kwargs = dict(socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout, retry=retry,
+                  retry_on_error=[redis.BusyLoadingError], health_check_interval=health_check_interval,
+                  client_name=client_name, protocol=2, decode_responses=False, **tcp_only)
+    if sentinel_mode:
+        return _sentinel_client(parse_sentinel_url(url), connect_timeout, kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def _sentinel_client(s: SentinelUrl, connect_timeout: float, kwargs: dict) -> redis.Redis:
+    timeout = min(connect_timeout, _SENTINEL_QUERY_TIMEOUT)  # a dead sentinel must not stall discovery
+    sentinel_kwargs = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "protocol": 2,
+                       "username": s.sentinel_username, "password": s.sentinel_password}
+    sentinel = Sentinel(list(s.sentinels), sentinel_kwargs=sentinel_kwargs)
+    return sentinel.master_for(s.master, db=s.db, username=s.username, password=s.password,
+                               connection_class=_FailoverConnection, **kwargs)
+
+
+def redis_address(url: str) -> tuple[str, int]:
+    """(host, port) a process reaches Redis at first: the URL's server, or a sentinel URL's first sentinel
+    (to pick the local interface towards Redis)."""
+    if is_sentinel_url(url):
+        return parse_sentinel_url(url).sentinels[0]
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 6379
+
+
+def replication_topology(client: redis.Redis) -> dict | None:
+    """For a client from a sentinel URL: {"master_name", "primary": "HOST:PORT", "replicas": [...]} as the
+    sentinels see them now (healthy replicas only); None for a client of one server."""
+    pool = client.connection_pool
+    manager = getattr(pool, "sentinel_manager", None)
+    if manager is None:
+        return None
+    host, port = manager.discover_master(pool.service_name)
+    replicas = [f"{h}:{p}" for h, p in manager.discover_slaves(pool.service_name)]
+    return {"master_name": pool.service_name, "primary": f"{host}:{port}", "replicas": replicas}
+
+
+def primary_url(url: str) -> str:
+    """`url` itself, or for a sentinel URL the redis:// URL of the primary the sentinels name now (for tools
+    such as redis-cli that speak to one server); raises redis.ConnectionError when no sentinel answers."""
+    if not is_sentinel_url(url):
+        return url
+    s = parse_sentinel_url(url)
+    client = connect(url, retries=0)
+    try:
+        host, port = client.connection_pool.get_master_address()
+    finally:
+        client.close()
+    auth = f"{quote(s.username or '', safe='')}:{quote(s.password, safe='')}@" if s.password is not None else ""
+    return f"redis://{auth}{host}:{port}/{s.db}"
 
 
 def wait_for_redis(url: str, timeout: float = 10.0) -> None:

@@ -5,8 +5,9 @@ the URL (and key prefix, model) from here.
 
 Rules:
 - The file is ``$REDSERVE_STATE_DIR/stack.json`` (default ``~/.cache/redserve/stack.json``):
-  ``{"redis_url", "key_prefix", "model", "served_model_names", "pid", "admin_redis_url"}`` (the admin
-  URL only when ``serve`` started an embedded Redis).
+  ``{"redis_url", "key_prefix", "model", "served_model_names", "pid", "admin_redis_url", "redis_nodes"}``
+  (the admin URL only when ``serve`` started an embedded Redis; the nodes, each ``{"name", "role",
+  "address", "pid", "running"}``, only for ``--redis-replicas``).
 - The file holds the Redis URL with its password, so it is created with mode 0600 (and its directory,
   when created here, 0700).
 - `write_stack_state` replaces it atomically (a file that cannot be written is a warning, not an
@@ -38,6 +39,7 @@ class StackState:
     served_model_names: list[str] = field(default_factory=list)
     pid: int = field(default_factory=os.getpid)
     admin_redis_url: str | None = None  # the embedded Redis's operator user (`redserve redis-cli --admin`)
+    redis_nodes: list[dict] = field(default_factory=list)  # --redis-replicas: primary, replicas, sentinels
 
 
 def state_path() -> Path:

@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-lockstep", action="store_true",
                    help="idle engines run dummy steps while any engine has work (set by the coordinator)")
     p.add_argument("--no-batch-worker", action="store_true", help="do not start a batch (Celery) worker")
+    p.add_argument("--redis-replicas", type=int, default=int(os.environ.get("REDSERVE_REDIS_REPLICAS", 0)),
+                   help="N >= 1: the embedded Redis runs as a primary, N replicas and three sentinels, and a "
+                        "killed primary is replaced by a replica (README 'Redis replication'); 0: one server")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a child restarted this many times within --restart-window seconds that dies again "
                         "stops the stack (crash loop)")

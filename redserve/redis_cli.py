@@ -4,6 +4,8 @@ Rules:
 - The Redis URL comes from ``--redis-url``, else ``$REDSERVE_REDIS_URL``, else the running ``redserve
   serve``'s stack file (`common.stack_state`); ``--admin`` takes the stack's admin URL instead (the
   embedded server's operator user, which may run CONFIG, FLUSHDB, SHUTDOWN, ...).
+- A ``redis+sentinel://`` URL is resolved to the primary the sentinels name now (`broker.connection.primary_url`):
+  redis-cli talks to one server.
 - The password reaches redis-cli in ``REDISCLI_AUTH`` (`redserve.redis_server.redis_cli_invocation`), never
   on its command line; everything after the options is passed to redis-cli as is (a command, or nothing
   for its prompt). The process is replaced by redis-cli (exec), so its exit code is redis-cli's.
@@ -44,8 +46,15 @@ def resolve_url(args: argparse.Namespace) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    import redis
+
+    from broker.connection import primary_url
     from redserve.redis_server import redis_cli_invocation
 
-    argv, extra_env = redis_cli_invocation(resolve_url(args))
+    try:
+        url = primary_url(resolve_url(args))
+    except redis.RedisError as e:
+        sys.exit(f"redserve redis-cli: no sentinel named the primary: {e}")
+    argv, extra_env = redis_cli_invocation(url)
     os.execve(argv[0], [*argv, *args.args], {**os.environ, **extra_env})
     return 1  # not reached

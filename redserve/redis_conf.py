@@ -22,6 +22,14 @@ Rules:
   token rate with many clients.
 - No persistence (``save ""``, ``appendonly no``); 127.0.0.1 only, ``protected-mode yes``; with a unix
   socket the TCP port is 0 and the socket is 0700.
+- Replication (``redserve serve --redis-replicas N``): every data node may become a replica (it is one when
+  `ServerConfig.replica_of` is set) and authenticates to its primary as `ADMIN_USER`; full syncs go over the
+  socket at once (``repl-diskless-sync`` with no delay), since there is no disk copy to send anyway.
+- Sentinels (`render_sentinel`): same ACL users and passwords as the data nodes, but `APP_USER` may only ask
+  where the primary and replicas are (`SENTINEL_APP_RULES`: no SENTINEL FAILOVER/SET/REMOVE/RESET/CONFIG);
+  sentinels talk to each other and to the data nodes as `ADMIN_USER`. A primary is down after
+  ``down-after-milliseconds`` (`SentinelConfig.down_after_ms`, 1000) without an answer, with a quorum of 2
+  of the 3 sentinels; one replica resyncs at a time after a failover (``parallel-syncs 1``).
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ PUBSUB_OUTPUT_BUFFER_LIMIT = "256mb 64mb 60"
 
 APP_USER_RULES = "~* &* +@all -@dangerous +info -script|kill -script|flush -function -acl"
 """The application user's command and key rules (ACL SETUSER syntax, after its password)."""
+SENTINEL_APP_RULES = ("-@all +ping +auth +hello +client|setname +sentinel|get-master-addr-by-name +sentinel|masters "
+                      "+sentinel|master +sentinel|sentinels +sentinel|replicas +sentinel|slaves")
+"""What `APP_USER` may run on a sentinel: discovery only (what redis-py's and kombu's Sentinel clients send)."""
+MASTER_NAME = "redserve"
+"""The name the embedded sentinels monitor the primary under (the MASTER of a ``redis+sentinel://`` URL)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class ServerConfig:
     unix_socket: str | None = None
     maxmemory: str = DEFAULT_MAXMEMORY
     proc_title: str | None = "redserve-redis {listen-addr}"
+    replica_of: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         for password in (self.app_password, self.admin_password):
@@ -76,6 +90,60 @@ def render(config: ServerConfig) -> str:
     ]
     if config.unix_socket:
         lines += [f'unixsocket "{config.unix_socket}"', "unixsocketperm 700"]
+    if config.proc_title:
+        lines.append(f'proc-title-template "{config.proc_title}"')
+    lines += [f"masteruser {ADMIN_USER}", f"masterauth {config.admin_password}", "repl-diskless-sync yes",
+              "repl-diskless-sync-delay 0"]
+    if config.replica_of is not None:
+        lines.append(f"replicaof {config.replica_of[0]} {config.replica_of[1]}")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    """What `render_sentinel` writes: a sentinel on `port` watching the primary at `primary`."""
+
+    port: int
+    directory: str
+    logfile: str
+    app_password: str
+    admin_password: str
+    primary: tuple[str, int]
+    master_name: str = MASTER_NAME
+    quorum: int = 2
+    down_after_ms: int = 1000
+    failover_timeout_ms: int = 10_000
+    proc_title: str | None = "redserve-sentinel {listen-addr}"
+
+    def __post_init__(self) -> None:
+        ServerConfig(self.port, self.directory, self.logfile, self.app_password, self.admin_password)  # passwords
+        if self.down_after_ms < 100 or self.failover_timeout_ms < self.down_after_ms:
+            raise ValueError("down_after_ms must be >= 100 and failover_timeout_ms >= down_after_ms")
+
+
+def render_sentinel(config: SentinelConfig) -> str:
+    """The text of a sentinel's config file (the sentinel rewrites it with what it learns)."""
+    name = config.master_name
+    lines = [
+        f"port {config.port}",
+        "bind 127.0.0.1",
+        "protected-mode yes",
+        "daemonize no",
+        f'dir "{config.directory}"',
+        f'logfile "{config.logfile}"',
+        "sentinel resolve-hostnames no",
+        "user default off resetpass resetkeys resetchannels -@all",
+        f"user {APP_USER} on >{config.app_password} {SENTINEL_APP_RULES}",
+        f"user {ADMIN_USER} on >{config.admin_password} ~* &* +@all",
+        f"sentinel sentinel-user {ADMIN_USER}",
+        f"sentinel sentinel-pass {config.admin_password}",
+        f"sentinel monitor {name} {config.primary[0]} {config.primary[1]} {config.quorum}",
+        f"sentinel auth-user {name} {ADMIN_USER}",
+        f"sentinel auth-pass {name} {config.admin_password}",
+        f"sentinel down-after-milliseconds {name} {config.down_after_ms}",
+        f"sentinel failover-timeout {name} {config.failover_timeout_ms}",
+        f"sentinel parallel-syncs {name} 1",
+    ]
     if config.proc_title:
         lines.append(f'proc-title-template "{config.proc_title}"')
     return "\n".join(lines) + "\n"

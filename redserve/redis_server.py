@@ -24,6 +24,11 @@ Rules:
   `restart()` stops and starts again on the same port with the same passwords (to test reconnects).
 - The process is titled ``redserve-redis 127.0.0.1:PORT``; its pid is `EmbeddedRedis.pid`, its log is
   `<tempdir>/redis.log` while it runs.
+- Replication (`redserve.redis_replicas` builds the set): several servers share one `passwords` dict; one
+  with `replica_of` set starts as a replica of that address, and one with `sentinel_of` set runs as a
+  sentinel (``--sentinel``, titled ``redserve-sentinel 127.0.0.1:PORT``) watching that primary. Both are
+  plain attributes, read at each (re)start, so a node can come back in whatever role the set needs now.
+  A sentinel is stopped with SIGTERM (it has no data to keep).
 """
 
 from __future__ import annotations
@@ -49,7 +54,15 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 
-from redserve.redis_conf import ADMIN_USER, APP_USER, DEFAULT_MAXMEMORY, ServerConfig, render
+from redserve.redis_conf import (
+    ADMIN_USER,
+    APP_USER,
+    DEFAULT_MAXMEMORY,
+    SentinelConfig,
+    ServerConfig,
+    render,
+    render_sentinel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +152,11 @@ def server_version(binary: str) -> tuple[str, tuple[int, ...]]:
     return f"{match.group(1).lower()}-server", tuple(int(g) for g in match.groups()[1:])
 
 
+def new_passwords() -> dict[str, str]:
+    """Random passwords for the ACL users of `redserve.redis_conf`."""
+    return {APP_USER: secrets.token_urlsafe(32), ADMIN_USER: secrets.token_urlsafe(32)}
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -168,13 +186,19 @@ class EmbeddedRedis:
     """A private Redis server child process; see the module docstring for the rules."""
 
     def __init__(self, port: int | None = None, unix_socket: bool = False, startup_timeout: float = 10.0,
-                 maxmemory: str = DEFAULT_MAXMEMORY, server_binary: str | None = None) -> None:
+                 maxmemory: str = DEFAULT_MAXMEMORY, server_binary: str | None = None,
+                 passwords: dict[str, str] | None = None, replica_of: tuple[str, int] | None = None,
+                 sentinel_of: tuple[str, int] | None = None) -> None:
+        if sentinel_of is not None and (replica_of is not None or unix_socket):
+            raise ValueError("a sentinel listens on TCP and replicates nothing")
         self._requested_port = port
         self._unix_socket = unix_socket
         self._startup_timeout = startup_timeout
         self._maxmemory = maxmemory
         self._server_binary = server_binary
-        self._passwords = {APP_USER: secrets.token_urlsafe(32), ADMIN_USER: secrets.token_urlsafe(32)}
+        self._passwords = passwords or new_passwords()
+        self.replica_of = replica_of
+        self.sentinel_of = sentinel_of
         self._port: int | None = None
         self._restart_port: int | None = None
         self._tmpdir: str | None = None
@@ -204,6 +228,18 @@ class EmbeddedRedis:
     @property
     def port(self) -> int | None:
         return self._port
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """("127.0.0.1", port) once started (TCP only)."""
+        if self._port is None:
+            raise RuntimeError("EmbeddedRedis has no TCP address (not started, or a unix socket)")
+        return "127.0.0.1", self._port
+
+    @property
+    def passwords(self) -> dict[str, str]:
+        """User -> password (shared by every node of a replicated set)."""
+        return dict(self._passwords)
 
     @property
     def socket_path(self) -> str | None:
@@ -258,7 +294,10 @@ class EmbeddedRedis:
         atexit.unregister(self.stop)
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            self._shutdown_nosave()
+            if self.sentinel_of is None:
+                self._shutdown_nosave()
+            else:
+                proc.terminate()
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -292,15 +331,22 @@ class EmbeddedRedis:
     def _launch(self, binary: str, port: int) -> None:
         self._tmpdir = tempfile.mkdtemp(prefix="redserve-redis-")  # mode 0700
         self._port = None if self._unix_socket else port
-        config = ServerConfig(port=port, directory=self._tmpdir, logfile=os.path.join(self._tmpdir, "redis.log"),
-                              app_password=self._passwords[APP_USER], admin_password=self._passwords[ADMIN_USER],
-                              unix_socket=self.socket_path, maxmemory=self._maxmemory)
+        logfile = os.path.join(self._tmpdir, "redis.log")
+        app, admin = self._passwords[APP_USER], self._passwords[ADMIN_USER]
+        if self.sentinel_of is not None:
+            text = render_sentinel(SentinelConfig(port=port, directory=self._tmpdir, logfile=logfile, app_password=app,
+                                                  admin_password=admin, primary=self.sentinel_of))
+        else:
+            text = render(ServerConfig(port=port, directory=self._tmpdir, logfile=logfile, app_password=app,
+                                       admin_password=admin, unix_socket=self.socket_path, maxmemory=self._maxmemory,
+                                       replica_of=self.replica_of))
         config_path = os.path.join(self._tmpdir, "redis.conf")
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(render(config))
+            f.write(text)
+        extra = ["--sentinel"] if self.sentinel_of is not None else []
         self._proc = subprocess.Popen(
-            [binary, config_path],
+            [binary, config_path, *extra],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

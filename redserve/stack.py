@@ -14,6 +14,11 @@ Rules:
   the same passwords, under the same backoff and crash-loop rule, and counted as child ``redis``. Its data
   is gone (no persistence): engines re-register on their next heartbeat, clients resubscribe, and the
   launcher writes every restart count back, so the counters in /metrics never go down.
+- ``--redis-replicas N`` (N >= 1, embedded only) runs a primary, N replicas and three sentinels instead
+  (`redserve.redis_replicas`); every child gets a ``redis+sentinel://`` URL. Each node has its own
+  `RedisWatch` (children ``redis-0`` .. ``redis-N``, ``sentinel-0`` .. ``sentinel-2``): a dead data node
+  comes back as a replica of the current primary once the sentinels have replaced it, a dead sentinel
+  watching the current primary. The stack file lists the nodes (``redis_nodes``).
 - Ctrl-C / SIGTERM stops the API and the batch worker first, then the engines (they drain), then the
   coordinator, then Redis, each child within a deadline (`STOP_TIMEOUTS`; engines: drain timeout + 10 s)
   after which it is named in the log and SIGKILLed with its process group. A second Ctrl-C / SIGTERM
@@ -49,6 +54,7 @@ from common.proctitle import set_title
 from common.stack_state import StackState, remove_stack_state, write_stack_state
 from redserve.devices import engine_device_env
 from redserve.model_arg import resolve_model
+from redserve.redis_replicas import ReplicatedRedis
 from redserve.redis_server import EmbeddedRedis
 from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supervisor, describe_exit
 
@@ -89,36 +95,46 @@ class RedisWatch:
       `Supervisor.plan_restart` (which raises `CrashLoop`); once the backoff is over it starts the server
       again with `EmbeddedRedis.restart` (same port, same passwords) and calls `on_restart("redis")`.
     - A restart that fails (the port was taken meanwhile) counts as another death.
+    - `ready_to_restart()` (default: always) may put a due restart off to a later `check` (a replicated
+      node waits for the sentinels to have replaced it, `ReplicatedRedis.prepare_restart`).
     """
 
     NAME = "redis"
 
-    def __init__(self, server: EmbeddedRedis, supervisor: Supervisor, on_restart: Callable[[str], None]) -> None:
+    def __init__(self, server: EmbeddedRedis, supervisor: Supervisor, on_restart: Callable[[str], None],
+                 name: str = NAME, ready_to_restart: Callable[[], bool] | None = None) -> None:
         self.server = server
         self.supervisor = supervisor
         self.on_restart = on_restart
-        self.record = Child(ChildSpec(self.NAME, [], {}, 0.0), started_at=time.monotonic())
+        self.name = name
+        self.ready_to_restart = ready_to_restart or (lambda: True)
+        self.record = Child(ChildSpec(name, [], {}, 0.0), started_at=time.monotonic())
+
+    @property
+    def _label(self) -> str:
+        return "" if self.name == self.NAME else f" {self.name}"
 
     def check(self) -> None:
         now, record = time.monotonic(), self.record
         if record.restart_at is None:
             if not self.server.running:
                 code = self.server.returncode or 0
-                logger.error("the embedded Redis (pid %s) %s: its data is lost", self.server.pid, describe_exit(code))
+                logger.error("the embedded Redis%s (pid %s) %s", self._label, self.server.pid, describe_exit(code))
                 self.supervisor.plan_restart(record, code, now)
-        elif now >= record.restart_at:
+        elif now >= record.restart_at and self.ready_to_restart():
             record.restarts.append(now)
             record.restart_at = None
             record.started_at = now
             try:
                 self.server.restart()
             except RuntimeError as e:
-                logger.error("could not restart the embedded Redis: %s", e)
+                logger.error("could not restart the embedded Redis%s: %s", self._label, e)
                 self.supervisor.plan_restart(record, 1, time.monotonic())
                 return
-            logger.warning("restarted the embedded Redis (pid %d, same port and passwords; restart %d within "
-                           "%.0f s)", self.server.pid, len(record.restarts), self.supervisor.policy.restart_window)
-            self.on_restart(self.NAME)
+            logger.warning("restarted the embedded Redis%s (pid %d, same port and passwords; restart %d within "
+                           "%.0f s)", self._label, self.server.pid, len(record.restarts),
+                           self.supervisor.policy.restart_window)
+            self.on_restart(self.name)
 
 
 def api_workers(cores: int) -> int:
@@ -141,17 +157,26 @@ class Stack:
         self.engine_devices = _engine_device_envs(args)
         self.keys = RedisKeys(args.key_prefix)
         self.redis: EmbeddedRedis | None = None
+        self.replicated: ReplicatedRedis | None = None
         self.supervisor = Supervisor(restart_policy(args), on_restart=self._count_restart)
         self.stopping = False
         self.ready = False
         self.restart_counts: dict[str, int] = {}
         self._counter: redis.Redis | None = None
         self._redis_watch: RedisWatch | None = None
+        self._node_watches: list[RedisWatch] = []
+        if getattr(args, "redis_replicas", 0) < 0:
+            raise ValueError(f"--redis-replicas must be >= 0, got {args.redis_replicas}")
+        if getattr(args, "redis_replicas", 0) and args.redis_url:
+            raise ValueError("--redis-replicas starts an embedded replicated Redis; with --redis-url point at your "
+                             "own Sentinel deployment instead (a redis+sentinel:// URL)")
 
     def start(self) -> None:
         args = self.args
         resolve_model(args)
-        if not args.redis_url:
+        if not args.redis_url and getattr(args, "redis_replicas", 0):
+            self._start_replicated(args.redis_replicas)
+        elif not args.redis_url:
             self.redis = EmbeddedRedis().start()
             args.redis_url = self.redis.url
             self._redis_watch = RedisWatch(self.redis, self.supervisor, self._count_restart)
@@ -176,8 +201,25 @@ class Stack:
         if not args.no_batch_worker:
             self._start("batch", _cli(*log, "batch", "worker", "--model", args.model, *prefix,
                                       *(["--served-model-name", *names] if names else [])))
-        admin_url = self.redis.admin_url if self.redis is not None else None
-        write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names, admin_redis_url=admin_url))
+        self._write_state()
+
+    def _start_replicated(self, replicas: int) -> None:
+        self.replicated = rr = ReplicatedRedis(replicas).start()
+        self.args.redis_url = rr.url
+        self._node_watches = [RedisWatch(node, self.supervisor, self._count_restart, name,
+                                         ready_to_restart=lambda name=name: rr.prepare_restart(name))
+                              for name, node in rr.nodes.items()]
+        logger.info("started embedded Redis with %d replica(s) and %d sentinels at %s (inspect it with "
+                    "`redserve redis-cli`)", replicas, len(rr.sentinels), mask_url(rr.url))
+
+    def _write_state(self) -> None:
+        args = self.args
+        names = [args.served_model_name] if args.served_model_name else []
+        embedded = self.replicated or self.redis
+        admin_url = embedded.admin_url if embedded is not None else None
+        nodes = self.replicated.describe() if self.replicated is not None else []
+        write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names, admin_redis_url=admin_url,
+                                     redis_nodes=nodes))
 
     def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
                stop_timeout: float | None = None) -> None:
@@ -207,8 +249,11 @@ class Stack:
         """Keep the children running until a stop is requested (0) or a child crash-loops (1)."""
         while not self.stopping:
             try:
-                if self._redis_watch is not None:
-                    self._redis_watch.check()
+                for watch in self._watches():
+                    restarts = len(watch.record.restarts)
+                    watch.check()
+                    if len(watch.record.restarts) != restarts and self.replicated is not None:
+                        self._write_state()  # new pids
                 self.supervisor.check()
             except CrashLoop as e:
                 logger.error("%s", e)
@@ -220,6 +265,9 @@ class Stack:
                       f"(Redis {mask_url(args.redis_url)}); Ctrl-C stops it", flush=True)
             time.sleep(_TICK if self.ready else 0.5)
         return 0
+
+    def _watches(self) -> list[RedisWatch]:
+        return [self._redis_watch] if self._redis_watch is not None else self._node_watches
 
     def _healthy(self) -> bool:
         try:
@@ -244,6 +292,8 @@ class Stack:
             self._counter.close()
         if self.redis is not None:
             self.redis.stop()
+        if self.replicated is not None:
+            self.replicated.stop()
         logger.info("stack stopped")
 
 

@@ -4,7 +4,8 @@ Reads only (never writes): the coordinator (lock holder, lock TTL, `rs:coordinat
 every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL left, wave, request
 stream length and pending count, its `rs:lb` entry, its prefix-cache hit rate, the size of its prefix
 index and how often the API routed to it for its cache or for its load), engines recently declared dead (their hashes are
-kept a while), and the clients (API processes, Celery workers) with their heartbeats.
+kept a while), and the clients (API processes, Celery workers) with their heartbeats. Behind sentinels
+(a ``redis+sentinel://`` URL) it also names the primary and the healthy replicas the sentinels see.
 `--json` prints the same as one JSON object. Imports no torch.
 
 Garbage in Redis (a malformed id in a set, a key of the wrong type, a field that is not a number) is
@@ -211,6 +212,18 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _topology(redis_url: str) -> dict | None:
+    from broker.connection import connect, replication_topology
+
+    client = connect(redis_url, retries=1)
+    try:
+        return replication_topology(client)
+    except redis.RedisError as e:
+        return {"error": str(e), "master_name": "?", "primary": "?", "replicas": []}
+    finally:
+        client.close()
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     from broker.connection import connect, mask_url
     url = mask_url(args.redis_url)
@@ -223,6 +236,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     finally:
         client.close()
     status["redis_url"] = url
+    header = f"redis {url}   "
+    topology = _topology(args.redis_url)
+    if topology is not None:
+        status["redis_replication"] = topology
+        header += (f"(sentinel master {topology['master_name']}: primary {topology['primary']}, replicas "
+                   f"{', '.join(topology['replicas']) or 'none'})   ")
     with contextlib.suppress(BrokenPipeError):  # `redserve status | head`
-        print(json.dumps(status, default=str) if args.json else f"redis {url}   " + format_status(status))
+        print(json.dumps(status, default=str) if args.json else header + format_status(status))
     return 0

@@ -16,9 +16,13 @@ from redserve.redis_server import EmbeddedRedis
 
 
 def test_redis_restart_mid_stream(redis_keys):
+    """A started request that may not be resumed (max_migrations=0 here; the fake engine's params would not
+    resume anyway) ends with broker_disconnected on the restart; resumable ones are covered by
+    test_api_redis_restart.py and test_redis_sentinel.py with a real engine."""
     with EmbeddedRedis() as server:
         engine = FakeEngine(server.url, redis_keys, "e0", ttl=1.0).start()
-        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=5)
+        client = BrokerClient(server.url, redis_keys, engine_refresh=0.05, liveness_interval=0.1, subscribe_timeout=5,
+                              max_migrations=0)
         try:
             assert client.wait_subscribed(5)
             assert [o.new_token_ids[0] for o in collect(client.submit(add(max_tokens=2)))] == [1001, 1002]
@@ -60,3 +64,40 @@ def test_redis_down_fails_fast_and_nothing_hangs(redis_keys):
         finally:
             client.stop()
             engine.stop()
+
+
+def test_no_presence_verdict_while_engines_resubscribe_after_an_outage():
+    """Right after the client's subscription comes back, the engines' presence channels may still be empty
+    (their subscriptions were cut too): that must not declare them gone (their re-sent requests would fail)."""
+    from broker.client.client import ClientSettings
+    from broker.client.in_flight import InFlightTable
+    from broker.client.liveness import PRESENCE_GRACE, Maintenance
+    from broker.client.mailbox import Mailbox
+    from broker.client.sender import Sender
+    from broker.keys import RedisKeys
+    from broker.messages import AddRequest
+
+    class NoSubscribers:
+        def pubsub_numsub(self, *channels):
+            return [(channel, 0) for channel in channels]
+
+    class Engines:
+        def live_engines(self, max_age=None):
+            return {"e0": {"engine_id": "e0", "incarnation": "i0", "presence": 1}}
+
+    table = InFlightTable("c", placed=lambda e: None, released=lambda e: None)
+    table.set_subscribed(True)
+    assert table.register(Mailbox(add=AddRequest("r", "c", [1], {"max_tokens": 4}, 0.0), engine_id="e0",
+                                  incarnation="i0", n=1))
+    redis_client = NoSubscribers()
+    maintenance = Maintenance(table, Engines(), Sender("c", RedisKeys(), table, lambda: redis_client),
+                              lambda: redis_client, ClientSettings())
+    table.lose_subscription(resubmit_limit=1)
+    table.set_subscribed(True)
+    maintenance.check_presence()
+    maintenance.check_presence()
+    assert table.gone_engines() == []
+    table._resubscribed_at -= PRESENCE_GRACE  # the grace is over: two empty reads mean the engine died
+    maintenance.check_presence()
+    maintenance.check_presence()
+    assert table.gone_engines() == ["e0"]

@@ -45,6 +45,9 @@ README = ROOT / "README.md"
 GPU_OVERRIDE = ROOT / "docker-compose.gpu.yml"
 REDSERVE_SERVICES = {"coordinator", "engine-0", "engine-1", "api", "batch-worker"}
 MONITORING_SERVICES = {"prometheus", "grafana"}
+HA_SERVICES = {"redis-replica-1", "redis-replica-2", "sentinel-1", "sentinel-2", "sentinel-3"}
+HA_ENV = {"REDSERVE_REDIS_SCHEME": "redis+sentinel", "REDSERVE_REDIS_PATH": "redserve/0",
+          "REDSERVE_REDIS_HOSTS": "sentinel-1:26379,sentinel-2:26379,sentinel-3:26379"}
 MONITORING = ROOT / "monitoring"
 SECRETS = {"REDSERVE_API_KEY": "api-key-4b1d", "REDSERVE_REDIS_PASSWORD": "app9c0ffee",
            "REDSERVE_REDIS_ADMIN_PASSWORD": "admin7e57ab1e"}
@@ -99,7 +102,7 @@ def parse_command(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
 def test_compose_file_has_the_stack() -> None:
     compose = load(COMPOSE)
     services = compose["services"]
-    assert set(services) == {"redis", *REDSERVE_SERVICES, *MONITORING_SERVICES}
+    assert set(services) == {"redis", *REDSERVE_SERVICES, *MONITORING_SERVICES, *HA_SERVICES}
     assert services["redis"]["healthcheck"]["test"][-1] == "ping"
     assert services["engine-1"]["profiles"] == ["dp2"] and "profiles" not in services["engine-0"]
     for name in REDSERVE_SERVICES:
@@ -114,6 +117,31 @@ def test_compose_file_has_the_stack() -> None:
     custom = load(COMPOSE, {"REDSERVE_MODEL_DIR": "/srv/m", "REDSERVE_TENSOR_PARALLEL_SIZE": "4"})["services"]
     assert custom["engine-1"]["environment"]["REDSERVE_TENSOR_PARALLEL_SIZE"] == "4"
     assert "/srv/m:/models:ro" in custom["api"]["volumes"]
+
+
+def test_ha_profile_runs_replicas_and_sentinels_that_every_service_finds() -> None:
+    from broker.connection import parse_sentinel_url
+    from redserve.redis_conf import MASTER_NAME, SENTINEL_APP_RULES
+
+    services = load(COMPOSE, HA_ENV)["services"]
+    assert all(services[name]["profiles"] == ["ha"] for name in HA_SERVICES) and "profiles" not in services["redis"]
+    url = parse_sentinel_url(services["api"]["environment"]["REDSERVE_REDIS_URL"])
+    assert url.sentinels == (("sentinel-1", 26379), ("sentinel-2", 26379), ("sentinel-3", 26379))
+    assert (url.master, url.db, url.username, url.password) == (MASTER_NAME, 0, APP_USER, "app9c0ffee")
+    for name in REDSERVE_SERVICES:
+        assert services[name]["environment"]["REDSERVE_REDIS_URL"] == services["api"]["environment"]["REDSERVE_REDIS_URL"]
+    for name in ("redis", "redis-replica-1", "redis-replica-2"):
+        script = services[name]["command"][-1]
+        assert services[name]["environment"]["REDIS_MODE"] == "redis+sentinel"
+        assert "masterauth $REDIS_ADMIN_PASSWORD" in script and f"get-master-addr-by-name {MASTER_NAME}" in script
+        assert services[name]["environment"]["REDIS_NODE"] == name
+    assert services["redis-replica-1"]["environment"]["REDIS_DEFAULT_PRIMARY"] == "redis"
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        script = services[name]["command"][-1]
+        assert f"user {APP_USER} on >$REDIS_APP_PASSWORD {SENTINEL_APP_RULES}" in script
+        assert f"sentinel monitor {MASTER_NAME} $primary 6379 2" in script and "redis-sentinel /data/sentinel.conf" in script
+    plain = load(COMPOSE)["services"]  # without the ha variables: one server, as before
+    assert plain["redis"]["environment"]["REDIS_MODE"] == "redis"
 
 
 def test_every_command_is_a_valid_redserve_command(monkeypatch: pytest.MonkeyPatch) -> None:

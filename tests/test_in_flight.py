@@ -196,6 +196,26 @@ def test_nothing_is_registered_while_unsubscribed_and_losing_the_subscription_ke
     assert [o.new_token_ids for o, _ in _read(later)] == [[31]] and t.in_use == {}
 
 
+def test_a_started_request_lost_with_the_subscription_resumes_from_its_delivered_tokens(t) -> None:
+    started, grammar = t.submit("s"), t.submit("g")
+    grammar.add.params["structured_output"] = {"json": {}}
+    t.step("e0", 1, _token("s", 11), _token("g", 21))
+    assert t.table.since_resubscribed() == float("inf")
+    assert t.table.lose_subscription(1, lambda mb: resume_blocker(mb.add.params)) == (1, 1)
+    assert _read(grammar)[-1][0].error_code is ErrorCode.BROKER_DISCONNECTED  # may not move: ends as before
+    t.step("e0", 2, _token("s", 12))  # whatever still comes for it before it moves is dropped
+    t.table.set_subscribed(True)
+    assert t.table.since_resubscribed() < 1.0 and t.table.take_liveness_due()  # resumed at once, not later
+    assert t.orphans().resume == [(started, "redis_lost")]
+    moved = t.table.move_to_continuations(started, "e0", "i0")  # its own engine will do: it lives on
+    assert moved is not None and not started.lost_with_redis
+    (rid, (index, add)), = moved.adds.items()
+    assert (rid, index, add.prompt_token_ids, add.params["max_tokens"]) == ("s~m1", 0, [1, 2, 3, 11], 9)
+    t.step("e0", 3, _token("s~m1", 13, finish="length"))
+    assert [(o.request_id, o.new_token_ids, last) for o, last in _read(started)] == [("s", [11], False),
+                                                                                     ("s", [13], True)]
+
+
 def test_a_parked_request_fails_with_no_engine_once_it_waited_long_enough(t) -> None:
     a = t.submit("a")
     assert t.table.park(a, replace_wait=60.0) and not t.table.park(a, replace_wait=60.0)

@@ -60,3 +60,22 @@ def test_status_finds_the_running_stack_too(stack_file):
     assert "engines" in json.loads(out.stdout)
     password = parse_url(stack_file.url)["password"]
     assert password not in out.stdout + out.stderr
+
+
+def test_behind_sentinels_redis_cli_and_status_reach_the_primary(tmp_path, monkeypatch):
+    from redserve.redis_replicas import ReplicatedRedis
+
+    monkeypatch.setenv("REDSERVE_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("REDSERVE_REDIS_URL", raising=False)
+    replicated = ReplicatedRedis(1).start()
+    try:
+        write_stack_state(StackState(replicated.url, "rs", "/m", ["m"], admin_redis_url=replicated.admin_url,
+                                     redis_nodes=replicated.describe()))
+        assert "role:master" in redis_cli("INFO", "replication").stdout
+        assert redis_cli("--admin", "ROLE").stdout.split()[0] == "master"
+        out = subprocess.run(cli("status", "--json"), capture_output=True, text=True, timeout=60, env={**os.environ})
+        topology = json.loads(out.stdout)["redis_replication"]
+        primary, replica = (f"127.0.0.1:{node.port}" for node in replicated.data.values())
+        assert topology == {"master_name": "redserve", "primary": primary, "replicas": [replica]}
+    finally:
+        replicated.stop()

@@ -20,13 +20,15 @@ from datetime import timedelta
 import redis
 import torch.distributed as dist
 
+from broker.connection import connect
+
 POLL_SECONDS = 0.01
 
 
 class RedisStore(dist.Store):
     def __init__(self, redis_url: str, prefix: str, timeout: float = 300.0, ttl: float = 600.0):
         super().__init__()
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=30, socket_connect_timeout=10)
+        self.redis = connect(redis_url, socket_timeout=30, connect_timeout=10)
         self.prefix = prefix
         self.ttl_ms = int(ttl * 1000)
         self._timeout = timeout

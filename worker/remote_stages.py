@@ -33,10 +33,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from urllib.parse import urlparse
 
 import redis
 
+from broker.connection import connect, redis_address
 from broker.keys import RedisKeys
 from engine.config import EngineConfig
 from worker import redis_store
@@ -116,9 +116,8 @@ class RemoteStages:
         self.key = new_key()
         self.nonce = secrets.token_hex(8)
         self.store_prefix = rendezvous.keys.engine_rendezvous(rendezvous.engine_id, self.nonce)
-        self.redis = redis.Redis.from_url(rendezvous.redis_url, socket_timeout=10, socket_connect_timeout=10)
-        url = urlparse(rendezvous.redis_url)
-        self.address = rendezvous.address or local_address_towards(url.hostname or "127.0.0.1", url.port or 6379)
+        self.redis = connect(rendezvous.redis_url, socket_timeout=10, connect_timeout=10)
+        self.address = rendezvous.address or local_address_towards(*redis_address(rendezvous.redis_url))
         self.listener = socket.create_server((self.address, rendezvous.port))
         self.port = self.listener.getsockname()[1]
         self.redis.hset(rendezvous.keys.engine_workers(rendezvous.engine_id), mapping={

@@ -35,6 +35,7 @@ from multiprocessing.connection import wait
 
 import redis
 
+from broker.connection import connect
 from broker.keys import RedisKeys
 from worker.multiproc_executor import worker_title
 from worker.remote_link import (
@@ -65,7 +66,7 @@ class WorkerHost:
         self.keys = RedisKeys(key_prefix)
         self.stages, self.address, self.once = stages, address, once
         self.stop = threading.Event()
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.redis = connect(redis_url, socket_timeout=5, connect_timeout=5)
 
     def install_signal_handlers(self) -> None:
         def handle(*_: object) -> None:

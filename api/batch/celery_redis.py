@@ -11,6 +11,10 @@ Rules:
     ``ssl_cert_reqs`` defaults to ``required``, as in redis-py (kombu alone would not verify at all).
 - ``db`` and ``password`` query options move into the URL; any other option is a ValueError naming it,
   never silently dropped.
+  - ``redis+sentinel://[USER:PASS@]H1:P1,H2:P2/MASTER/DB`` -> Celery's sentinel transport and result
+    backend: ``sentinel://[USER:PASS@]H1:P1/DB;sentinel://[USER:PASS@]H2:P2/DB``, and
+    `celery_transport_options` gives the ``master_name`` and the sentinels' credentials (``sentinel_kwargs``),
+    to merge into ``broker_transport_options`` and ``result_backend_transport_options``.
 """
 
 from __future__ import annotations
@@ -19,12 +23,20 @@ import ssl
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
+from broker.connection import is_sentinel_url, parse_sentinel_url
+
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 _SSL_PATHS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 def celery_redis_settings(url: str) -> dict[str, Any]:
     """``broker_url``, ``result_backend``, ``broker_use_ssl`` and ``redis_backend_use_ssl`` for `url`."""
+    if is_sentinel_url(url):
+        s = parse_sentinel_url(url)
+        auth = "" if s.password is None else f"{quote(s.username or '', safe='')}:{quote(s.password, safe='')}@"
+        celery_url = ";".join(f"sentinel://{auth}{host}:{port}/{s.db}" for host, port in s.sentinels)
+        return {"broker_url": celery_url, "result_backend": celery_url,
+                "broker_use_ssl": None, "redis_backend_use_ssl": None}
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r}: use redis://, rediss:// or unix://")
@@ -41,6 +53,15 @@ def celery_redis_settings(url: str) -> dict[str, Any]:
         celery_url = urlunsplit((parts.scheme, netloc, f"/{db}", "", ""))
     return {"broker_url": celery_url, "result_backend": celery_url,
             "broker_use_ssl": tls, "redis_backend_use_ssl": tls}
+
+
+def celery_transport_options(url: str) -> dict[str, Any]:
+    """The transport options a sentinel URL needs (both broker and result backend); {} for any other URL."""
+    if not is_sentinel_url(url):
+        return {}
+    s = parse_sentinel_url(url)
+    credentials = {"username": s.sentinel_username, "password": s.sentinel_password}
+    return {"master_name": s.master, "sentinel_kwargs": {k: v for k, v in credentials.items() if v is not None}}
 
 
 def _with_query_password(netloc: str, password: str | None) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from api.batch.celery_redis import celery_redis_settings
+from api.batch.celery_redis import celery_redis_settings, celery_transport_options
 from api.batch.chunk import run_chunk
 from api.batch.runner import ItemRunner
 from api.batch.store import BatchStore
@@ -131,12 +131,13 @@ def configure(settings: BatchSettings) -> Celery:
                        "delivered twice (harmless, but wasteful)", settings.visibility_timeout,
                        settings.request_timeout + settings.retry_for)
     prefix = settings.keys.celery()
+    sentinel = celery_transport_options(settings.redis_url)
     app.conf.update(
         **celery_redis_settings(settings.redis_url),
         broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": settings.visibility_timeout,
                                   "unacked_restore_interval": settings.restore_interval,
-                                  "unacked_restore_throttle": 1},
-        result_backend_transport_options={"global_keyprefix": prefix},
+                                  "unacked_restore_throttle": 1, **sentinel},
+        result_backend_transport_options={"global_keyprefix": prefix, **sentinel},
         broker_connection_retry_on_startup=True,
         task_serializer="json", result_serializer="json", accept_content=["json"],
         task_default_queue=QUEUE,

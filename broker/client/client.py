@@ -19,11 +19,13 @@ Rules:
 - Nothing hangs and nothing is silently lost; a request ends with an error output (finish_reason
   ERROR, an `ErrorCode` in `error_code`, the detail in `error_message`) when:
   * its deadline (`AddRequest.deadline`, wall clock) passes -> deadline_exceeded (+ ABORT sent);
-  * the output subscription drops (Redis restarted, network) -> broker_disconnected, for every
-    request in flight that had produced output (some may have been missed); the listener resubscribes
-    with backoff and ABORTs are sent once Redis is back. A request with no output yet is not failed: once
-    Redis is back it is sent again under a fresh id (`~rN`; the old id is aborted, since a Redis that
-    only blinked may still hold it) to any READY engine, waiting up to `replace_wait` s for one;
+  * the output subscription drops (Redis restarted or failed over, network): the listener resubscribes
+    with backoff. A request with no output yet is not failed: once Redis is back it is sent again under a
+    fresh id (`~rN`; the old id is aborted, since a Redis that only blinked may still hold it) to any READY
+    engine, waiting up to `replace_wait` s for one. A started request is resumed from the tokens it
+    delivered (`broker.client.migration`, reason redis_lost; its own engine is a valid target, the old ids
+    are aborted) when it may move; one that may not (a grammar, penalties, `max_migrations` used up) ends
+    with broker_disconnected (some output may have been missed);
   * `EngineOutputs.seq` from an engine skips a number -> output_lost, for that engine's requests;
   * its engine is declared gone -> the request is re-placed on another engine if it has produced no
     output yet (at most `resubmit_limit` times); if it has, its running sequences are resumed on
@@ -68,6 +70,7 @@ from broker.client.in_flight import InFlightTable
 from broker.client.listener import OutputListener
 from broker.client.liveness import Maintenance
 from broker.client.mailbox import Mailbox
+from broker.client.migration import migration_blocker
 from broker.client.request_handle import RequestHandle
 from broker.client.sender import Sender
 from broker.connection import connect
@@ -181,7 +184,8 @@ class BrokerClient:
             self._maintenance = Maintenance(self.table, self.selector, self.sender, lambda: self._redis,
                                             self.settings, self.on_migration)
             listener = OutputListener(self.redis_url, self.keys.output_channel(self.client_id), self.client_id,
-                                      self.table, self.settings.resubmit_limit)
+                                      self.table, self.settings.resubmit_limit,
+                                      lambda mb: migration_blocker(mb, self.settings.max_migrations))
             self._threads = [
                 threading.Thread(target=listener.run, args=(self._stopping,),
                                  name=f"broker-listener-{self.client_id}", daemon=True),

@@ -58,6 +58,8 @@ from broker.messages import (
 logger = logging.getLogger(__name__)
 
 Verdict = tuple[str | None, str]  # (incarnation, reason) of an engine declared gone
+REDIS_LOST = "redis_lost"
+"""Why a started request moves when the output subscription dropped (a Redis restart or failover)."""
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ class InFlightTable:
         self._gone: dict[str, Verdict] = {}
         self._subscribed = False
         self._subscribed_event = threading.Event()
+        self._lost_subscription = False
+        self._resubscribed_at: float | None = None  # monotonic time the subscription came back after a loss
         self._liveness_due = threading.Event()  # an engine was declared gone between liveness checks
 
     # ----------------------------------------------------------------- the output subscription
@@ -108,19 +112,28 @@ class InFlightTable:
     def wait_subscribed(self, timeout: float) -> bool:
         return self._subscribed_event.wait(timeout)
 
+    def since_resubscribed(self) -> float:
+        """Seconds since the subscription came back after being lost (inf if it never was lost)."""
+        at = self._resubscribed_at
+        return float("inf") if at is None else time.monotonic() - at
+
     def set_subscribed(self, up: bool) -> None:
         with self._lock:
             self._set_subscribed_locked(up)
 
-    def lose_subscription(self, resubmit_limit: int) -> tuple[int, int]:
+    def lose_subscription(self, resubmit_limit: int,
+                          resume_blocker: Callable[[Mailbox], str | None] | None = None) -> tuple[int, int]:
         """The subscription dropped: a request that produced no output (and may still be re-placed) is kept to
-        be sent again once Redis is back; every other request and every call fails with broker_disconnected.
-        Returns (failed, kept)."""
+        be sent again once Redis is back, and so is a started one that `resume_blocker` lets move (it resumes
+        from its delivered tokens, `collect_orphans`); every other request and every call fails with
+        broker_disconnected. Returns (failed, kept)."""
         with self._lock:
             self._set_subscribed_locked(False)
+            self._lost_subscription = True
             failed = kept = 0
             for mb in self._requests_locked():
-                if not mb.got_output and mb.resubmits < resubmit_limit:
+                resend = not mb.got_output and mb.resubmits < resubmit_limit
+                if resend or (mb.got_output and resume_blocker is not None and resume_blocker(mb) is None):
                     mb.lost_with_redis = True
                     mb.orphaned_at = time.monotonic() if mb.orphaned_at is None else mb.orphaned_at
                     kept += 1
@@ -135,6 +148,11 @@ class InFlightTable:
     def _set_subscribed_locked(self, up: bool) -> None:
         self._subscribed = up
         if up:
+            if self._lost_subscription:
+                self._lost_subscription = False
+                self._resubscribed_at = time.monotonic()
+            if any(mb.lost_with_redis for mb in self._mailboxes.values()):
+                self._liveness_due.set()  # send them again now, not at the next periodic check
             self._subscribed_event.set()
         else:
             self._subscribed_event.clear()
@@ -336,7 +354,8 @@ class InFlightTable:
         incarnation, or declared gone: re-place those with no output yet (up to `resubmit_limit` times),
         resume started ones that `resume_blocker` lets move, and fail the rest (engine_gone, or the engine's
         engine_failed error). Verdicts the registry now agrees with are dropped; the calls and seq numbering
-        of engines gone or restarted are ended. Requests lost with Redis all come back as `resend`."""
+        of engines gone or restarted are ended. Requests lost with Redis come back as `resend` (no output yet)
+        or `resume` with reason `REDIS_LOST` (started)."""
         orphans = Orphans()
         with self._lock:
             declared = dict(self._gone)  # the verdicts, kept for the reasons below even when the registry caught up
@@ -351,7 +370,10 @@ class InFlightTable:
                     self._fail_calls_locked(engine_id, f"engine {engine_id} is gone")
             for mb in self._requests_locked():
                 if mb.lost_with_redis:
-                    orphans.resend.append(mb)
+                    if mb.got_output:
+                        orphans.resume.append((mb, REDIS_LOST))
+                    else:
+                        orphans.resend.append(mb)
                     continue
                 if mb.engine_id in live and live[mb.engine_id].get("incarnation") == mb.incarnation:
                     continue
@@ -431,6 +453,7 @@ class InFlightTable:
             mb.engine_id, mb.incarnation = engine_id, incarnation
             self._placed(engine_id)
             mb.migrations += 1
+            mb.lost_with_redis = False
             mb.orphaned_at = None
             mb.engine_error = mb.gone_reason = None
             return Continuation(old, old_ids, adds)

@@ -3,8 +3,9 @@
 It subscribes once to `rs:out:{client_id}` and hands each `EngineOutputs` to the client's in-flight table
 (`InFlightTable.deliver`: duplicates dropped, a skipped seq fails that engine's requests with output_lost,
 continuations renamed to their request, engine_failed outputs declare the engine gone). When the
-subscription drops it tells the table (`lose_subscription`: started requests and every utility call fail
-with broker_disconnected, unstarted ones wait to be sent again) and resubscribes with backoff.
+subscription drops it tells the table (`lose_subscription`: unstarted requests wait to be sent again, started
+ones that may move wait to be resumed from their delivered tokens, the rest and every utility call fail with
+broker_disconnected) and resubscribes with backoff (capped at 2 s, 0.25 s behind sentinels).
 
 `OutputListener` holds no state of its own: it is given the channel to read and the in-flight table to feed,
 and does its Redis I/O (on a connection of its own) outside the table's lock.
@@ -14,29 +15,36 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import redis
 
 from broker.client.in_flight import InFlightTable
-from broker.connection import connect
+from broker.client.mailbox import Mailbox
+from broker.connection import connect, is_sentinel_url
 from broker.log_limits import warn_every
 from broker.messages import EngineOutputs, MessageError, decode
 
 logger = logging.getLogger(__name__)
 
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError)
+_BACKOFF_CAP = 2.0
+_FAILOVER_BACKOFF_CAP = 0.25
 
 
 class OutputListener:
     """The body of one client's listener thread; `run` returns once `stopping` is set."""
 
     def __init__(self, redis_url: str, channel: str, client_id: str, table: InFlightTable,
-                 resubmit_limit: int) -> None:
+                 resubmit_limit: int, resume_blocker: Callable[[Mailbox], str | None] | None = None) -> None:
         self._redis_url = redis_url
         self._channel = channel
         self._client_id = client_id
         self._table = table
         self._resubmit_limit = resubmit_limit
+        self._resume_blocker = resume_blocker
+        # Behind sentinels a new primary is up within seconds: look for it often.
+        self._backoff_cap = _FAILOVER_BACKOFF_CAP if is_sentinel_url(redis_url) else _BACKOFF_CAP
 
     def run(self, stopping: threading.Event) -> None:
         failures = 0
@@ -57,7 +65,7 @@ class OutputListener:
             except Exception as e:  # noqa: BLE001 - the listener must outlive any error
                 self._on_subscription_lost(e, failures)
                 failures += 1
-                stopping.wait(min(2.0, 0.05 * 2**failures))
+                stopping.wait(min(self._backoff_cap, 0.05 * 2**failures))
             finally:
                 self._table.set_subscribed(False)
                 pubsub.close()
@@ -69,12 +77,14 @@ class OutputListener:
             logger.exception("client %s: listener error; resubscribing", client_id, exc_info=error)
         elif failures == 0:
             logger.warning("client %s: output subscription lost (%s); resubscribing", client_id, error)
-        failed, kept = self._table.lose_subscription(self._resubmit_limit)
+        failed, kept = self._table.lose_subscription(self._resubmit_limit, self._resume_blocker)
+        if failures and not failed:
+            return  # still reconnecting: the requests kept were reported on the first failure
         if failed:
             logger.warning("client %s: failed %d request(s) in flight after losing Redis", client_id, failed)
         if kept:
-            logger.warning("client %s: %d request(s) with no output yet will be sent again once Redis is back",
-                           client_id, kept)
+            logger.warning("client %s: %d request(s) will be sent again (or resumed from their delivered tokens) "
+                           "once Redis is back", client_id, kept)
 
     def dispatch(self, data: bytes) -> None:
         """Deliver one message from the output channel."""

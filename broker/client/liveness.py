@@ -43,6 +43,10 @@ from broker.messages import ErrorCode, encode
 logger = logging.getLogger(__name__)
 
 _TICK = 0.05
+PRESENCE_GRACE = 3.0
+"""Seconds after the output subscription came back (Redis restarted or failed over) during which an empty
+presence channel means nothing: the engines' presence subscriptions were cut too and come back on their own
+backoff (up to 1 s). Deaths meanwhile are still seen by the heartbeat."""
 
 
 class Timings(Protocol):
@@ -114,7 +118,11 @@ class Maintenance:
 
     def check_presence(self) -> None:
         """Declare gone the engines (of requests in flight) whose presence channel was empty on two reads in a
-        row; forget that verdict if the channel fills again (the engine only lost its connection: Redis restarted)."""
+        row; forget that verdict if the channel fills again (the engine only lost its connection: Redis restarted).
+        Not within `PRESENCE_GRACE` s of this client's own subscription coming back."""
+        if self._table.since_resubscribed() < PRESENCE_GRACE:
+            self._absent.clear()
+            return
         used, exited = self._table.presence_targets()
         engines = self._selector.live_engines(max_age=float("inf"))
         watched = sorted((e, inc) for e, inc in used | exited

@@ -11,7 +11,9 @@ Rules:
   (`InFlightTable.move_to_continuations`), so no output of the old engine can slip in between (the old
   wire ids are unrouted: late outputs for them are dropped); the XADDs happen after, outside its lock.
 - The old engine gets ABORTs for the old ids when it still looks live (it restarted, or only its
-  presence subscription dropped), so a sequence never runs twice.
+  presence subscription dropped), so a sequence never runs twice. After a lost subscription (`REDIS_LOST`:
+  Redis restarted or failed over) the engine itself lives on and is a valid target; its ABORTs are
+  deferred, so they reach it once it is registered again.
 - With no engine READY the request waits like an unstarted one (`replace_wait`, then no_engine).
 - Every move is logged with the old and new engine and reported to `on_migration(reason, old, new)`.
 - It works through the client's parts, never the client: the in-flight table, the engine selector and the
@@ -25,7 +27,7 @@ from collections.abc import Callable
 
 import redis
 
-from broker.client.in_flight import InFlightTable
+from broker.client.in_flight import REDIS_LOST, InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.client.request_resume import resume_blocker
 from broker.client.sender import Sender
@@ -63,10 +65,12 @@ class Migrator:
         """Continue `mb` on another live engine, or on its own once restarted; `wait_for_engine(mb)` parks it
         if none is READY (until `replace_wait`)."""
         table, selector = self._table, self._selector
-        # Its own engine is a fine target again once it is back as a new incarnation (a restart: DP=1).
+        # Its own engine is a fine target again once it is back as a new incarnation (a restart: DP=1), or
+        # when only Redis was lost (the engine lives on, its outputs could not reach us).
         cached = selector.live_engines(max_age=float("inf")).get(mb.engine_id, {})
         gone = table.gone_engines()
-        exclude = [mb.engine_id, *gone] if cached.get("incarnation") == mb.incarnation else gone
+        same = cached.get("incarnation") == mb.incarnation and reason != REDIS_LOST
+        exclude = [mb.engine_id, *gone] if same else gone
         try:
             info = selector.select(exclude=exclude, token_ids=mb.add.prompt_token_ids)
         except NoEngineAvailable:
@@ -86,7 +90,9 @@ class Migrator:
         except redis.RedisError as e:
             table.fail(mb, ErrorCode.BROKER_DISCONNECTED, f"could not resume the request: {e}", abort=False)
             return
-        if old in selector.live_engines(max_age=float("inf")):
+        if reason == REDIS_LOST:
+            table.defer_aborts(old, old_ids)  # sent once the engine is live again (it may not have re-registered)
+        elif old in selector.live_engines(max_age=float("inf")):
             self._sender.send_aborts(old, old_ids)
         if self._on_migration is not None:
             self._on_migration(reason, old, mb.engine_id)
