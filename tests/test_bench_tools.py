@@ -35,7 +35,7 @@ from benchmarks.bench_vs_vllm import (  # noqa: E402
 from benchmarks.llamacpp_build import cpu_key, cpu_summary  # noqa: E402
 from benchmarks.perplexity import chunks, parse_llama_perplexity, perplexity, scored_logprobs  # noqa: E402
 from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
-from redserve.bench_serve import bench_args, percentile  # noqa: E402
+from redserve.bench_serve import Client, bench_args, percentile  # noqa: E402
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -43,6 +43,36 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert percentile([5.0], 99) == 5.0
     assert math.isnan(percentile([], 50))
+
+
+def test_the_client_replaces_a_kept_alive_connection_the_server_closed() -> None:
+    import http.server
+    import threading
+
+    class CloseAfterEachAnswer(http.server.BaseHTTPRequestHandler):  # as llama-server does after a stream
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"usage": {"completion_tokens": 1}}\n\n' \
+                   b"data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), CloseAfterEachAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_address[1]}", None)
+        results = [client.stream_completion({"prompt": [1]}) for _ in range(3)]
+    finally:
+        server.shutdown()
+    assert [(r.ok, r.output_tokens, r.error) for r in results] == [(True, 1, "")] * 3
 
 
 def test_bench_args_rejects_unknown_options() -> None:
