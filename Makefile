@@ -36,7 +36,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_offline.py --dtype $(BENCH_DTYPE)
 	$(BIN)/python benchmarks/step_split.py --dtype $(BENCH_DTYPE)
 
-# redserve serve vs vllm serve (CPU build, own venv, installed on first use), e.g. ARGS="--smollm2 --dtype best".
+# redserve serve vs vllm serve (CPU build, own venv, installed on first use), e.g. ARGS="--smollm2 --dtype best";
+# llama.cpp too (built from its sdist on first use): ARGS="--smollm2 --systems redserve,vllm,llamacpp".
 bench-vllm: $(STAMP)
 	$(BIN)/python benchmarks/bench_vs_vllm.py $(ARGS)
 

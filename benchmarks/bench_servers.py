@@ -1,4 +1,4 @@
-"""Start and stop the servers that ``bench_vs_vllm.py`` measures: ``redserve serve`` and ``vllm serve``.
+"""Start and stop the servers the benchmarks measure: ``redserve serve``, ``vllm serve``, ``llama-server``.
 
 Rules:
 - Each server runs in its own session (process group), dies with this process (PR_SET_PDEATHSIG), and
@@ -65,6 +65,15 @@ def vllm_spec(venv: Path, model_dir: str, dtype: str, port: int, served_name: st
             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), *shlex.split(extra)]
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1"}
     return ServerSpec("vllm", argv, port, env=env, startup_timeout=600.0)
+
+
+def llamacpp_spec(bin_dir: Path, gguf_file: str, port: int, served_name: str, slots: int, per_slot: int,
+                  threads: int, extra: str = "") -> ServerSpec:
+    """``llama-server`` on a GGUF file: ``slots`` parallel sequences of ``per_slot`` tokens each."""
+    argv = [str(bin_dir / "llama-server"), "-m", gguf_file, "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(slots * per_slot), "-np", str(slots), "-t", str(threads), "-a", served_name,
+            *shlex.split(extra)]
+    return ServerSpec("llamacpp", argv, port, startup_timeout=300.0)
 
 
 def healthy(base_url: str) -> bool:

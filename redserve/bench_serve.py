@@ -72,13 +72,28 @@ class Client:
         conn.request("GET", path, headers=self.headers)
         return json.loads(conn.getresponse().read())
 
+    def _post(self, path: str, body: str) -> http.client.HTTPResponse:
+        """POST on this thread's kept-alive connection. One the server closed since its last answer
+        (llama-server closes after each streamed answer) is replaced once, as urllib3 retries a stale pooled
+        connection; a fresh connection's failure is the request's."""
+        reused = getattr(self.local, "conn", None) is not None
+        try:
+            conn = self._conn()
+            conn.request("POST", path, body=body, headers=self.headers)
+            return conn.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if not reused:
+                raise
+            self.local.conn = None
+            conn = self._conn()
+            conn.request("POST", path, body=body, headers=self.headers)
+            return conn.getresponse()
+
     def stream_completion(self, body: dict) -> RequestResult:
         start = time.perf_counter()
         result = RequestResult(ok=False)
         try:
-            conn = self._conn()
-            conn.request("POST", "/v1/completions", body=json.dumps(body), headers=self.headers)
-            resp = conn.getresponse()
+            resp = self._post("/v1/completions", json.dumps(body))
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
                 return result

@@ -1,5 +1,6 @@
-"""The benchmark tools' own logic (no speed is checked): percentiles, the redserve-vs-vLLM table, the
-decode step split's attribution, and the server launcher's start/stop through real processes."""
+"""The benchmark tools' own logic (no speed is checked): percentiles, the redserve-vs-vLLM-vs-llama.cpp table,
+the perplexity comparison's chunking and parsing, the decode step split's attribution, and the server
+launcher's start/stop through real processes."""
 
 from __future__ import annotations
 
@@ -16,10 +17,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_gpu import main as bench_gpu_main  # noqa: E402
 from benchmarks.bench_gpu import table as bench_gpu_table  # noqa: E402
-from benchmarks.bench_servers import ServerSpec, free_port, running_server  # noqa: E402
-from benchmarks.bench_vs_vllm import CASES, format_table, median_report, parse_args, round_ratios  # noqa: E402
+from benchmarks.bench_servers import (  # noqa: E402
+    ServerSpec,
+    free_port,
+    llamacpp_spec,  # noqa: E402
+    running_server,
+)
+from benchmarks.bench_vs_vllm import (  # noqa: E402
+    CASES,
+    format_table,
+    llamacpp_slots,
+    median_report,
+    parse_args,
+    redserve_quantization,
+    round_ratios,
+)
+from benchmarks.llamacpp_build import cpu_key, cpu_summary  # noqa: E402
+from benchmarks.perplexity import chunks, parse_llama_perplexity, perplexity, scored_logprobs  # noqa: E402
 from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
-from redserve.bench_serve import bench_args, percentile  # noqa: E402
+from redserve.bench_serve import Client, bench_args, percentile  # noqa: E402
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -27,6 +43,36 @@ def test_percentile_interpolates_like_numpy() -> None:
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
     assert percentile([5.0], 99) == 5.0
     assert math.isnan(percentile([], 50))
+
+
+def test_the_client_replaces_a_kept_alive_connection_the_server_closed() -> None:
+    import http.server
+    import threading
+
+    class CloseAfterEachAnswer(http.server.BaseHTTPRequestHandler):  # as llama-server does after a stream
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"usage": {"completion_tokens": 1}}\n\n' \
+                   b"data: [DONE]\n\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), CloseAfterEachAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_address[1]}", None)
+        results = [client.stream_completion({"prompt": [1]}) for _ in range(3)]
+    finally:
+        server.shutdown()
+    assert [(r.ok, r.output_tokens, r.error) for r in results] == [(True, 1, "")] * 3
 
 
 def test_bench_args_rejects_unknown_options() -> None:
@@ -65,6 +111,55 @@ def test_cases_and_prompt_counts() -> None:
     assert (CASES["prefill"].input_len, CASES["prefill"].output_len) == (512, 32)
     with pytest.raises(SystemExit):
         parse_args(["--systems", "sglang"])
+
+
+def test_llamacpp_gets_a_ratio_row_and_the_format_labels_each_system() -> None:
+    results = {"redserve": {"dtype": "float32", "format": "Q4_1 GGUF blocks, float32",
+                            "cases": {"c1": _report(60.0, 30.0)}},
+               "llamacpp": {"dtype": "float32", "format": "Q4_1 GGUF", "cases": {"c1": _report(30.0, 15.0)}}}
+    lines = format_table(results, ["c1"]).splitlines()
+    assert lines[2].startswith("| c1 | redserve (Q4_1 GGUF blocks, float32) | 60.0 |")
+    assert lines[3].startswith("| c1 | llamacpp (Q4_1 GGUF) | 30.0 |")
+    assert lines[4] == "| c1 | **redserve/llama.cpp** | 2.00 | 2.00 | 2.00 | 2.00 | 1.00 | 1.00 |"
+    assert "redserve/vLLM" not in format_table(results, ["c1"])
+
+
+def test_llamacpp_serves_gguf_files_only_with_a_slot_per_request() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--systems", "redserve,llamacpp"])  # the tiny model is a directory
+    assert parse_args(["--systems", "redserve,llamacpp", "--smollm2"]).smollm2 == "Q4_1"
+    assert parse_args(["--systems", "llamacpp", "--smollm2", "Q8_0"]).smollm2 == "Q8_0"
+    assert parse_args(["--systems", "llamacpp", "--model", "/m/x.Q4_1.gguf"]).systems == ["llamacpp"]
+    assert llamacpp_slots([CASES["c1"], CASES["c64"]]) == (64, 256)
+    assert llamacpp_slots([CASES["c1"], CASES["prefill"]]) == (16, 768)
+    spec = llamacpp_spec(Path("/b"), "/m/x.gguf", 8080, "m", 64, 256, 2, "--no-warmup")
+    assert spec.argv == ["/b/llama-server", "-m", "/m/x.gguf", "--host", "127.0.0.1", "--port", "8080",
+                         "-c", "16384", "-np", "64", "-t", "2", "-a", "m", "--no-warmup"]
+
+
+def test_redserve_quantization_is_read_from_its_extra_arguments() -> None:
+    assert redserve_quantization("--no-batch-worker") == "auto"
+    assert redserve_quantization("--quantization none --no-batch-worker") == "none"
+    assert redserve_quantization("--quantization=gguf") == "gguf"
+
+
+def test_cpu_summary_marks_missing_flags_and_the_key_ignores_order() -> None:
+    assert cpu_summary({"avx2", "avx512_bf16"}) == "avx2 -avx512f -avx512_vnni avx512_bf16 -amx_bf16"
+    assert cpu_key({"a", "b"}) == cpu_key({"b", "a"}) != cpu_key({"a"})
+
+
+def test_perplexity_scores_the_second_half_of_each_chunk_like_llama_perplexity() -> None:
+    assert chunks(list(range(10)), 4, bos=None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert chunks(list(range(10)), 4, bos=99) == [[99, 1, 2, 3], [99, 5, 6, 7]]
+    assert scored_logprobs([None, -1.0, -2.0, -3.0, -4.0, -5.0], 6) == [-4.0, -5.0]  # ctx/2 + 1 .. ctx - 1
+    assert scored_logprobs([None, -1.0, -2.0, -3.0], 4) == [-3.0]
+    with pytest.raises(ValueError, match="expected 4"):
+        scored_logprobs([None, -1.0], 4)
+    assert perplexity([-1.0, -3.0]) == pytest.approx(math.exp(2.0))
+    out = "perplexity: 3 chunks\n[1]20.1,[2]25.3,[3]26.4,\nFinal estimate: PPL = 26.4012 +/- 1.52340\n"
+    assert parse_llama_perplexity(out) == (26.4012, 1.5234)
+    with pytest.raises(ValueError, match="Final estimate"):
+        parse_llama_perplexity("failed to load model")
 
 
 def test_rounds_report_medians_and_each_rounds_ratio() -> None:
