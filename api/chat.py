@@ -29,7 +29,6 @@ Rules:
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -55,13 +54,14 @@ from api.serving import (
 from api.state import ApiState
 from api.tool_parsers import ExtractedToolCalls, PartialCall, ToolCall
 from api.tools import check_auto_allowed, tool_call_dicts
+from protocol.request_ids import new_request_id
 
 
 def create_chat_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Answer:
     """The answer to one /v1/chat/completions body: a JSON body or stream chunks (ApiError for bad input; see
     the module rules)."""
     request = parse_chat_request(data)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = new_request_id("chatcmpl")
     run, prompt = start_chat_run(state, request, request_id, is_disconnected)
     view = _ChatView(state, request, run, request_id, prompt)
     if request.stream:

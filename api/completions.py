@@ -20,7 +20,6 @@ Rules:
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +42,7 @@ from api.serving import (
     usage,
 )
 from api.state import ApiState
+from protocol.request_ids import new_request_id
 
 
 def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Answer:
@@ -50,7 +50,7 @@ def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], 
     module rules)."""
     request = parse_completion_request(data)
     check_model(state, request.model)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = new_request_id("cmpl")
     with admit(state, len(request.prompts), request.params.n) as slots:
         max_model_len = context_length(state)
         prompts = [prompt_token_ids(state, p, max_model_len=max_model_len) for p in request.prompts]

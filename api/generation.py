@@ -37,6 +37,7 @@ from api.detokenizer import Decoder, IncrementalDetokenizer
 from api.stop_strings import StopStringMatcher
 from broker.client.request_handle import RequestHandle
 from broker.messages import AddRequest, ErrorCode, FinishReason, RequestOutput, make_error
+from protocol.request_ids import prompt_request_id
 from protocol.sampling_params import SamplingParams
 
 
@@ -187,7 +188,7 @@ class Generation:
         """Submit every prompt (broker errors propagate; what was submitted is aborted)."""
         try:
             for p, (ids, params) in enumerate(zip(self.prompts, self.params, strict=True)):
-                rid = self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{p}"
+                rid = prompt_request_id(self.request_id, p, len(self.prompts))
                 add = AddRequest(rid, "", ids, params.to_engine_dict(), time.time(), self._deadline)
                 self._handles.append(self._submitter.submit(add))
         except BaseException:

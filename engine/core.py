@@ -29,6 +29,7 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_metrics import StepMetrics
 from engine.step_types import SchedulerOutput
 from engine.structured_output import LLMatcher, StructuredOutputs
+from protocol.request_ids import sequence_id
 from protocol.sampling_params import SamplingParams
 from worker.executor import Executor, make_executor
 
@@ -107,7 +108,7 @@ class EngineCore:
         if params.n == 1:
             kids = [Request(request_id, prompt_token_ids, params, arrival_time)]
         else:
-            kids = [Request(f"{request_id}#{i}", prompt_token_ids, params.for_child(i), arrival_time,
+            kids = [Request(sequence_id(request_id, i, params.n), prompt_token_ids, params.for_child(i), arrival_time,
                             parent_id=request_id, index=i) for i in range(params.n)]
         if params.structured_output is not None:
             for kid in kids:  # one matcher per sequence; raises ValueError if the grammar does not compile
@@ -141,7 +142,7 @@ class EngineCore:
         """Abort one of the n sequences of a request (e.g. it hit a stop string); the others go on.
         Returns its "abort" output, or nothing if that sequence is unknown or already finished."""
         kids = self.children.get(request_id, [])
-        kid_id = request_id if kids == [request_id] else f"{request_id}#{index}"
+        kid_id = sequence_id(request_id, index, len(kids))
         if kid_id not in kids:
             return []
         aborted = self.scheduler.abort_requests([kid_id])

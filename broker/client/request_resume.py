@@ -7,7 +7,7 @@ sees one stream (the in-flight table, `broker.client.in_flight`, routes the new 
 
 Rules:
 - One continuation per running sequence, always n=1: sequence i of an n > 1 request continues as its
-  own request, id ``{original}~m{k}.{i}`` (``{original}~m{k}`` when n = 1), k = the migration number.
+  own request, id ``{original}~m{k}.{i}`` (``{original}~m{k}`` when n = 1; `protocol.request_ids`), k = the migration number.
 - Remaining budget: `max_tokens` - delivered (the sequence has not finished, so at least 1 is left);
   `min_tokens` - delivered (not below 0). Every other engine parameter is kept, so stop token ids,
   ignore_eos, logprobs and the sampling filters act as before; `prompt_logprobs` is dropped (they
@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.messages import AddRequest
+from protocol.request_ids import continuation_id
 from protocol.sampling_params import SamplingParams
 
 _GOLDEN_64 = 0x9E3779B97F4A7C15
@@ -61,10 +62,6 @@ def continuation_params(params: Mapping[str, Any], index: int, delivered: int) -
     resumed = dataclasses.replace(sp, max_tokens=max_tokens, min_tokens=max(0, sp.min_tokens - delivered),
                                   seed=seed, prompt_logprobs=None)
     return resumed.to_engine_dict()
-
-
-def continuation_id(original_id: str, migration: int, index: int, n: int) -> str:
-    return f"{original_id}~m{migration}" if n == 1 else f"{original_id}~m{migration}.{index}"
 
 
 def continuation_adds(add: AddRequest, delivered: Mapping[int, list[int]], running: list[int],

@@ -120,23 +120,31 @@ def kernel_for(fmt: BlockFormat):
     return k_quants.quant_gemm_k_kernel() if fmt.block_weights != BLOCK else quant_gemm_kernel()
 
 
+_K_QUANTS = frozenset({12, 14})  # Q4_K, Q6_K: 256-weight blocks, their own kernel (no quant_matmul)
+
+
 def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ b)`` for x [..., in_features] (see the module rules for the path taken)."""
     rows = x.reshape(-1, weight.in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    m, fmt = rows.shape[0], weight.fmt
+    k_quant = fmt in _K_QUANTS
     kernel = None
-    if (rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16)
-            and (bias is None or bias.dtype == rows.dtype)):
-        kernel = kernel_for(weight.fmt)
-    k_quant = weight.fmt.block_weights != BLOCK
-    if kernel is None or (k_quant and rows.shape[0] > K_QUANT_KERNEL_MAX_ROWS):
+    if rows.dtype in _KERNEL_DTYPES and rows.is_cpu and (bias is None or bias.dtype == rows.dtype):
+        kernel = k_quants.quant_gemm_k_kernel() if k_quant else quant_gemm_kernel()
+    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS):
         out = tiled_linear(rows, weight, bias)
-    elif rows.shape[0] <= (K_QUANT_KERNEL_MAX_ROWS if k_quant else KERNEL_MAX_ROWS):
-        out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype)
-        kernel.quant_linear(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
     else:
-        out = torch.empty(rows.shape[0], weight.blocks.shape[0], dtype=rows.dtype)
-        kernel.quant_matmul(out, rows.contiguous(), weight.blocks, int(weight.fmt), bias)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+        out = torch.empty(m, weight.blocks.shape[0], dtype=rows.dtype)
+        if m <= (K_QUANT_KERNEL_MAX_ROWS if k_quant else KERNEL_MAX_ROWS):
+            kernel.quant_linear(out, rows, weight.blocks, int(fmt), bias)
+        else:
+            kernel.quant_matmul(out, rows, weight.blocks, int(fmt), bias)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
