@@ -5,23 +5,15 @@
 //   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes nibbles  w = d * q + m
 // (a nibble byte j holds weight j in its low half and weight j + 16 in its high half).
 //
-// The rows of x are first quantized to int8 per block of 32, as llama.cpp's q8 activations, and then once
-// more: a = max |x|, e = a / 127, q = round(x / e), and the remainder r = x - e q (|r| <= e / 2) as
-// q' = round(r * 256 / e) clamped to [-127, 127], so x = e (q + q' / 256) within e / 256 (llama.cpp's q8
-// alone leaves e / 2: on SmolLM2 that flips greedy near-ties, 0.08 logits apart, that the float model keeps).
-// Each block also keeps s = e (sum(q) + sum(q') / 256). A block's dot product is then integer sums over
+// The rows of x are first quantized to int8 blocks of 32 plus an int8 remainder (quant_rows.h: x = e (q + q' / 256)
+// within e / 256, s = e (sum(q) + sum(q') / 256)). A block's dot product is then integer sums over
 // 32 int8 x int8 (Q8_0) or uint4 x int8 (Q4) products, 256 sum(qw q) + sum(qw q') (exact in int32), scaled
 // by d * e / 256:
 //   Q8_0: d e' sum      Q4_1: d e' sum + m s      Q4_0 as Q4_1 with m = -8 d      (e' = e / 256)
 // The integer sums: AVX-512 VNNI vpdpbusd (unsigned x signed bytes into int32, no saturation); else AVX2
 // vpmaddubsw + vpmaddwd (int16 pairs cannot saturate here: |qw| <= 127 after the sign trick or <= 15, |qx| <= 127);
 // else the plain loop. Which path a build takes follows the CPU it is built for (-march=native; the build
-// cache is keyed by the CPU's flags), as small_gemm.cpp.
-//
-// Threads: W's rows are split over torch's intra-op threads in tiles of kRowsPerTile rows, at least
-// kMinWeightsPerTask products (weights x rows of x) a task: 64K, tens of microseconds, so that even a small
-// model's projection splits at one row (SmolLM2's four projections of a layer at one row, two threads, best of
-// 300: 149 us with a 1M floor, 108 us with 64K; one thread 193 us).
+// cache is keyed by the CPU's flags), as small_gemm.cpp. W's rows go over torch's threads as quant_rows.h says.
 //
 // Rules: x [M, K] float32 or bfloat16 contiguous, K a multiple of 32; blocks uint8 [N, K / 32 * block bytes]
 // contiguous; out [M, N] of x's dtype; bias [N] of x's dtype or none. The error against the float product of
@@ -36,7 +28,6 @@
 #endif
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <array>
@@ -46,11 +37,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_rows.h"
+
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kRowsPerTile = 4;
-constexpr int64_t kMinWeightsPerTask = 1 << 16;
+using namespace redserve_quant;
 
 enum class Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type ids
 
@@ -63,82 +54,9 @@ int64_t block_bytes(Format f) {
   return 0;
 }
 
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
-
-// The rows of x as int8 blocks: q and the remainder's q' [M, K], e / 256 and s [M, K / 32].
-struct QuantizedRows {
-  std::vector<int8_t> q, rest;
-  std::vector<float> e, s;
-  int64_t k = 0, blocks = 0;
-  const int8_t* qrow(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
-  const int8_t* rest_row(int64_t row, int64_t b) const { return rest.data() + row * k + b * kBlock; }
-  float scale(int64_t row, int64_t b) const { return e[row * blocks + b]; }
-  float sum(int64_t row, int64_t b) const { return s[row * blocks + b]; }
-};
-
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
-
-template <typename T>
-void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
-  out.k = k;
-  out.blocks = k / kBlock;
-  out.q.resize(m * k);
-  out.rest.resize(m * k);
-  out.e.resize(m * out.blocks);
-  out.s.resize(m * out.blocks);
-  at::parallel_for(0, m * out.blocks, 256, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const T* src = x + i * kBlock;  // block i of the flattened rows: K is a multiple of 32
-      float v[kBlock], amax = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        v[j] = to_float(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-      }
-      const float e = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t *q = out.q.data() + i * kBlock, *rest = out.rest.data() + i * kBlock;
-      int sum = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        const float r = std::nearbyint((v[j] - e * q[j]) * inv * 256.f);
-        rest[j] = static_cast<int8_t>(std::clamp(r, -127.f, 127.f));
-        sum += 256 * q[j] + rest[j];
-      }
-      out.e[i] = e / 256.f;
-      out.s[i] = e / 256.f * static_cast<float>(sum);
-    }
-  });
-}
-
 // ---- one block's integer dot product ---------------------------------------------------------------------
 
 #if defined(REDSERVE_QUANT_AVX2)
-// sum of u8 x i8 products as 8 int32 lanes.
-inline __m256i dot_u8_i8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // A block's weights as the unsigned operand of dot_u8_i8, and how to turn x's int8 into the signed one.
 struct Q8Block {
   __m256i w;
@@ -235,77 +153,28 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 }
 #endif
 
-template <typename T>
-inline void store(T* out, int64_t n, int64_t row, int64_t col, const float* sums, int64_t cols, const T* bias) {
-  for (int64_t r = 0; r < cols; ++r)
-    out[row * n + col + r] = static_cast<T>(sums[r] + (bias ? to_float(bias[col + r]) : 0.f));
-}
-
-// Output columns [first, last) of every row of x.
-template <Format F, typename T>
-void columns(T* out, const QuantizedRows& x, const uint8_t* w, const T* bias, int64_t m, int64_t n,
-             int64_t row_bytes, int64_t first, int64_t last) {
-  float tile[2 * kRowsPerTile];
-  int64_t col = first;
-  for (; col + kRowsPerTile <= last; col += kRowsPerTile) {
-    const uint8_t* rows = w + col * row_bytes;
-    int64_t row = 0;
-    for (; row + 2 <= m; row += 2) {  // two rows of x per pass over the tile: 8 accumulators
-      dot_tile<F, kRowsPerTile, 2>(tile, rows, row_bytes, x, row);
-      store(out, n, row, col, tile, kRowsPerTile, bias);
-      store(out, n, row + 1, col, tile + kRowsPerTile, kRowsPerTile, bias);
-    }
-    for (; row < m; ++row) {
-      dot_tile<F, kRowsPerTile, 1>(tile, rows, row_bytes, x, row);
-      store(out, n, row, col, tile, kRowsPerTile, bias);
-    }
+template <Format F>
+struct Tile {
+  template <int ROWS, int XS>
+  static void dot(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
+    dot_tile<F, ROWS, XS>(out, w, row_bytes, x, x0);
   }
-  for (; col < last; ++col) {
-    for (int64_t row = 0; row < m; ++row) {
-      dot_tile<F, 1, 1>(tile, w + col * row_bytes, row_bytes, x, row);
-      store(out, n, row, col, tile, 1, bias);
-    }
-  }
-}
+};
 
 template <typename T>
 void run(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
-  QuantizedRows xq;
-  quantize_rows(xq, x.data_ptr<T>(), m, k);
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  T* o = out.data_ptr<T>();
-  const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kRowsPerTile * k * m));
-  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
-    const int64_t c0 = first * kRowsPerTile, c1 = std::min(n, last * kRowsPerTile);
-    switch (f) {
-      case Format::kQ8_0: return columns<Format::kQ8_0>(o, xq, w, bias, m, n, row_bytes, c0, c1);
-      case Format::kQ4_0: return columns<Format::kQ4_0>(o, xq, w, bias, m, n, row_bytes, c0, c1);
-      case Format::kQ4_1: return columns<Format::kQ4_1>(o, xq, w, bias, m, n, row_bytes, c0, c1);
-    }
-  });
+  switch (f) {
+    case Format::kQ8_0: return run_rows<Tile<Format::kQ8_0>>(out, x, blocks, bias);
+    case Format::kQ4_0: return run_rows<Tile<Format::kQ4_0>>(out, x, blocks, bias);
+    case Format::kQ4_1: return run_rows<Tile<Format::kQ4_1>>(out, x, blocks, bias);
+  }
 }
 
 void check_linear_args(const char* name, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks,
                        Format f, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1,
               name, ": GGML type ", static_cast<int64_t>(f), " is not Q8_0, Q4_0 or Q4_1");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && out.scalar_type() == dtype,
-              name, ": x and out float32 or bfloat16, one dtype");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, name, ": blocks must be uint8");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && out.dim() == 2, name, ": x [M, K], blocks [N, B], out [M, N]");
-  TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && out.is_contiguous(), name, ": contiguous tensors only");
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % kBlock == 0, name, ": K (", k, ") must be a multiple of 32");
-  TORCH_CHECK(blocks.size(1) == k / kBlock * block_bytes(f), name, ": blocks hold ", blocks.size(1),
-              " bytes a row, K = ", k, " needs ", k / kBlock * block_bytes(f));
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, name, ": out must be [M, N]");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
-                name, ": bias [N] of x's dtype");
-  }
+  redserve_quant::check_linear_args(name, out, x, blocks, kBlock, block_bytes(f), bias);
 }
 
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,

@@ -12,8 +12,8 @@
 //        low (g < 2) or high (g >= 2) nibbles of ql[64 h + 32 (g & 1) ..] and bits 2g, 2g + 1 of the qh bytes.
 //                                                                    w = d sc_{i / 16} (q - 32)
 //
-// x is rounded per block of 32 exactly as in quant_gemm.cpp: e = max |x| / 127, q = round(x / e), the
-// remainder to int8 at e / 256, so x = e (q + q' / 256) within e / 256; s = e (sum(q) + sum(q') / 256).
+// x is rounded per block of 32 as in quant_gemm.cpp (quant_rows.h, shared): e = max |x| / 127, q = round(x / e),
+// the remainder to int8 at e / 256, so x = e (q + q' / 256) within e / 256; s = e (sum(q) + sum(q') / 256).
 // A 32-weight sub-block's dot product is integer sums, 256 sum(qw q) + sum(qw q'), scaled in float:
 //   Q4_K: d sc_s e' sum - dmin m_s s        (qw the nibble, 0..15: the unsigned operand as it is)
 //   Q6_K: per 16 weights, d sc e' sum - 32 d sc s16   (qw = q, 0..63, the unsigned operand as it is; s16 is s
@@ -25,7 +25,7 @@
 // (the build cache is keyed by the CPU's flags). tests/test_quant_gemm_k.py builds this file a second and third
 // time with -mno-avx512vnni -mno-avxvnni (the AVX2 path) and -mno-avx2 (the plain loop) and tests each.
 //
-// Threads: W's rows over torch's intra-op threads in tiles of kRowsPerTile rows, as quant_gemm.cpp.
+// Threads: W's rows over torch's intra-op threads in tiles of kRowsPerTile rows (quant_rows.h).
 //
 // Rules: x [M, K] float32 or bfloat16 contiguous, K a multiple of 256; blocks uint8 [N, K / 256 * block bytes]
 // contiguous; out [M, N] of x's dtype; bias [N] of x's dtype or none. The error against the float product of
@@ -40,7 +40,6 @@
 #endif
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -48,27 +47,18 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_rows.h"
+
 namespace {
 
-constexpr int64_t kBlock = 32;       // activation block (and Q4_K sub-block)
-constexpr int64_t kSuper = 256;      // weights a k-quant block
+using namespace redserve_quant;
+
+constexpr int64_t kSuper = 256;      // weights a k-quant block (kBlock, 32, is the activation block and Q4_K's sub-block)
 constexpr int64_t kSubs = kSuper / kBlock;
-constexpr int64_t kRowsPerTile = 4;
-constexpr int64_t kMinWeightsPerTask = 1 << 20;
 
 enum class Format : int64_t { kQ4_K = 12, kQ6_K = 14 };  // GGML's type ids
 
 constexpr int64_t block_bytes(Format f) { return f == Format::kQ4_K ? 144 : 210; }
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
 
 // Q4_K's 8 sub-block scales and mins as d * sc and dmin * m (float32, rounded once each: gguf's values).
 inline void q4k_scales(const uint8_t* p, float* ds, float* dm) {
@@ -96,73 +86,7 @@ inline int q6k_value(const uint8_t* p, int i) {
   return (low | high << 4) - 32;
 }
 
-// The rows of x as int8 blocks of 32: q and the remainder's q' [M, K], e / 256 and s [M, K / 32], and s over
-// each 16 values [M, K / 16] (Q6_K's offset).
-struct QuantizedRows {
-  std::vector<int8_t> q, rest;
-  std::vector<float> e, s, s16;
-  int64_t k = 0, blocks = 0;
-  const int8_t* qrow(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
-  const int8_t* rest_row(int64_t row, int64_t b) const { return rest.data() + row * k + b * kBlock; }
-  float scale(int64_t row, int64_t b) const { return e[row * blocks + b]; }
-  const float* scales(int64_t row, int64_t b) const { return e.data() + row * blocks + b; }
-  const float* sums(int64_t row, int64_t b) const { return s.data() + row * blocks + b; }
-  const float* sums16(int64_t row, int64_t b) const { return s16.data() + 2 * (row * blocks + b); }
-};
-
-template <typename T>
-void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
-  out.k = k;
-  out.blocks = k / kBlock;
-  out.q.resize(m * k);
-  out.rest.resize(m * k);
-  out.e.resize(m * out.blocks);
-  out.s.resize(m * out.blocks);
-  out.s16.resize(2 * m * out.blocks);
-  at::parallel_for(0, m * out.blocks, 256, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const T* src = x + i * kBlock;
-      float v[kBlock], amax = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        v[j] = static_cast<float>(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-      }
-      const float e = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t *q = out.q.data() + i * kBlock, *rest = out.rest.data() + i * kBlock;
-      int sum[2] = {0, 0};
-      for (int64_t j = 0; j < kBlock; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        const float r = std::nearbyint((v[j] - e * q[j]) * inv * 256.f);
-        rest[j] = static_cast<int8_t>(std::clamp(r, -127.f, 127.f));
-        sum[j / 16] += 256 * q[j] + rest[j];
-      }
-      out.e[i] = e / 256.f;
-      out.s[i] = e / 256.f * static_cast<float>(sum[0] + sum[1]);
-      out.s16[2 * i] = e / 256.f * static_cast<float>(sum[0]);
-      out.s16[2 * i + 1] = e / 256.f * static_cast<float>(sum[1]);
-    }
-  });
-}
-
 #if defined(REDSERVE_QUANT_K_AVX2)
-// Sums of u8 x s8 products, 4 a lane, as 8 int32 lanes.
-inline __m256i dot_u8_i8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // 256 sum(u q) + sum(u q') over one 32-block of x row `row`, as 8 int32 lanes (4 weights a lane).
@@ -299,56 +223,21 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 }
 #endif
 
-template <typename T>
-inline void store(T* out, int64_t n, int64_t row, int64_t col, const float* sums, int64_t cols, const T* bias) {
-  for (int64_t r = 0; r < cols; ++r)
-    out[row * n + col + r] = static_cast<T>(sums[r] + (bias ? static_cast<float>(bias[col + r]) : 0.f));
-}
-
-// Output columns [first, last) of every row of x.
-template <Format F, typename T>
-void columns(T* out, const QuantizedRows& x, const uint8_t* w, const T* bias, int64_t m, int64_t n,
-             int64_t row_bytes, int64_t first, int64_t last) {
-  float tile[2 * kRowsPerTile];
-  int64_t col = first;
-  for (; col + kRowsPerTile <= last; col += kRowsPerTile) {
-    const uint8_t* rows = w + col * row_bytes;
-    int64_t row = 0;
-    for (; row + 2 <= m; row += 2) {
-      dot_tile<F, kRowsPerTile, 2>(tile, rows, row_bytes, x, row);
-      store(out, n, row, col, tile, kRowsPerTile, bias);
-      store(out, n, row + 1, col, tile + kRowsPerTile, kRowsPerTile, bias);
-    }
-    for (; row < m; ++row) {
-      dot_tile<F, kRowsPerTile, 1>(tile, rows, row_bytes, x, row);
-      store(out, n, row, col, tile, kRowsPerTile, bias);
-    }
+template <Format F>
+struct Tile {
+  template <int ROWS, int XS>
+  static void dot(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
+    dot_tile<F, ROWS, XS>(out, w, row_bytes, x, x0);
   }
-  for (; col < last; ++col) {
-    for (int64_t row = 0; row < m; ++row) {
-      dot_tile<F, 1, 1>(tile, w + col * row_bytes, row_bytes, x, row);
-      store(out, n, row, col, tile, 1, bias);
-    }
-  }
-}
+};
 
 template <typename T>
 void run(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
-  QuantizedRows xq;
-  quantize_rows(xq, x.data_ptr<T>(), m, k);
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  T* o = out.data_ptr<T>();
-  const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kRowsPerTile * k * m));
-  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
-    const int64_t c0 = first * kRowsPerTile, c1 = std::min(n, last * kRowsPerTile);
-    if (f == Format::kQ4_K) {
-      columns<Format::kQ4_K>(o, xq, w, bias, m, n, row_bytes, c0, c1);
-    } else {
-      columns<Format::kQ6_K>(o, xq, w, bias, m, n, row_bytes, c0, c1);
-    }
-  });
+  if (f == Format::kQ4_K) {
+    run_rows<Tile<Format::kQ4_K>>(out, x, blocks, bias);
+  } else {
+    run_rows<Tile<Format::kQ6_K>>(out, x, blocks, bias);
+  }
 }
 
 Format checked_format(int64_t ggml_type, const char* what) {
@@ -360,21 +249,9 @@ Format checked_format(int64_t ggml_type, const char* what) {
 void quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
                   c10::optional<torch::Tensor> bias) {
   const Format f = checked_format(ggml_type, "quant_linear");
+  check_linear_args("quant_linear", out, x, blocks, kSuper, block_bytes(f), bias);
   const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && out.scalar_type() == dtype,
-              "quant_linear: x and out float32 or bfloat16, one dtype");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, "quant_linear: blocks must be uint8");
-  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 2 && out.dim() == 2, "quant_linear: x [M, K], blocks [N, B], out [M, N]");
-  TORCH_CHECK(x.is_contiguous() && blocks.is_contiguous() && out.is_contiguous(), "quant_linear: contiguous tensors only");
-  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0);
-  TORCH_CHECK(k % kSuper == 0, "quant_linear: K (", k, ") must be a multiple of 256");
-  TORCH_CHECK(blocks.size(1) == k / kSuper * block_bytes(f), "quant_linear: blocks hold ", blocks.size(1),
-              " bytes a row, K = ", k, " needs ", k / kSuper * block_bytes(f));
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "quant_linear: out must be [M, N]");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
-                "quant_linear: bias [N] of x's dtype");
-  }
+  const int64_t m = x.size(0), n = blocks.size(0);
   if (m == 0 || n == 0) return;
   if (dtype == torch::kBFloat16) {
     run<at::BFloat16>(out, x, blocks, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, f);
