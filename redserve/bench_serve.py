@@ -12,6 +12,7 @@ import argparse
 import http.client
 import json
 import random
+import select
 import statistics
 import threading
 import time
@@ -63,9 +64,13 @@ class Client:
         self.local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
-        if getattr(self.local, "conn", None) is None:
-            self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
-        return self.local.conn
+        conn = getattr(self.local, "conn", None)
+        if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+            conn.close()  # an idle kept-alive socket that reads as ready: the server closed it (urllib3's check)
+            conn = None
+        if conn is None:
+            conn = self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        return conn
 
     def get_json(self, path: str) -> dict:
         conn = self._conn()
