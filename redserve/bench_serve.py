@@ -86,7 +86,8 @@ class Client:
             conn = self._conn()
             conn.request("POST", path, body=body, headers=self.headers)
             return conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+        except (http.client.RemoteDisconnected, http.client.ImproperConnectionState, ConnectionResetError,
+                BrokenPipeError):
             if not reused:
                 raise
             self.local.conn = None

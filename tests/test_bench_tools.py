@@ -47,6 +47,7 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 def test_the_client_replaces_a_kept_alive_connection_the_server_closed() -> None:
     import http.server
+    import socket
     import threading
 
     class CloseAfterEachAnswer(http.server.BaseHTTPRequestHandler):  # as llama-server does after a stream
@@ -60,6 +61,8 @@ def test_the_client_replaces_a_kept_alive_connection_the_server_closed() -> None
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+            self.wfile.flush()
+            self.request.shutdown(socket.SHUT_WR)  # the FIN follows the body at once, as llama-server's close does
             self.close_connection = True
 
         def log_message(self, *args) -> None:
