@@ -147,6 +147,26 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def bound_quant_linear(weight: BlockQuantizedWeight, bias: torch.Tensor | None = None):
+    """``x -> quant_linear(x, weight, bias)`` for 2-D contiguous CPU x, bound once: up to the int8 path's rows the
+    kernel is called directly (no lookups, no checks but the rows and the dtype), else ``quant_linear``."""
+    kernel = kernel_for(weight.fmt)
+    if kernel is None:
+        return lambda x: quant_linear(x, weight, bias)
+    blocks, code, n = weight.blocks, int(weight.fmt), weight.blocks.shape[0]
+    max_rows = K_QUANT_KERNEL_MAX_ROWS if weight.fmt in _K_QUANTS else KERNEL_MAX_ROWS
+    bias_dtype = None if bias is None else bias.dtype
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > max_rows or x.dtype not in _KERNEL_DTYPES or (bias is not None and bias_dtype != x.dtype):
+            return quant_linear(x, weight, bias)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        kernel.quant_linear(out, x, blocks, code, bias)
+        return out
+
+    return linear
+
+
 def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``TILE_WEIGHTS`` of the weight dequantized at a time into x's dtype (by the kernel's ``dequantize_rows``
     where it is built, else in torch), ``F.linear`` each."""

@@ -10,6 +10,8 @@ Rules:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from worker.layers.linear import (
 )
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
+from worker.models.llama_kernel_path import LlamaKernelPath
 from worker.parallel_state import pp_group, tp_group
 from worker.pipeline import MissingLayer, local_layers
 
@@ -123,6 +126,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def is_plain_layer(layer: nn.Module) -> bool:
+    """Whether ``layer`` computes exactly what `LlamaDecoderLayer` does with RMSNorms and SiLU (its class or a
+    subclass that only sets ``qk_norm``): what `LlamaKernelPath` may bind."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm) if attn is not None else ()
+    return (type(layer).forward is LlamaDecoderLayer.forward and attn is not None and mlp is not None
+            and type(attn).forward is LlamaAttention.forward and type(mlp).forward is LlamaMLP.forward
+            and mlp.act_and_mul is silu_and_mul
+            and all(type(n).forward is RMSNorm.forward for n in norms)
+            and all(n is None or type(n).forward is RMSNorm.forward for n in (attn.q_norm, attn.k_norm)))
+
+
 class LlamaForCausalLM(nn.Module):
     """Maps checkpoint names to packed layers: q/k/v -> qkv_proj, gate/up -> gate_up_proj."""
 
@@ -160,11 +175,25 @@ class LlamaForCausalLM(nn.Module):
         before the last norm (``compute_logits`` applies it to the rows it needs); the others return
         (hidden, residual) for the next stage."""
         hidden, residual = (self.embed(input_ids), None) if intermediate is None else intermediate
-        for i, kv_cache in zip(self.layer_range, kv_caches, strict=True):
-            hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, meta)
+        kernel_path = self.kernel_path()
+        if kernel_path is not None and kernel_path.serves(meta, hidden):
+            hidden, residual = kernel_path.forward(positions, hidden, residual, kv_caches, meta)
+        else:
+            for i, kv_cache in zip(self.layer_range, kv_caches, strict=True):
+                hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, meta)
         if not pp_group().is_last:
             return hidden, residual
         return hidden + residual
+
+    def kernel_path(self) -> LlamaKernelPath | None:
+        """This stage's layers bound to the CPU kernels (`worker.models.llama_kernel_path`), built at the first
+        call; None where that path cannot serve the model, or with ``REDSERVE_KERNEL_PATH=0``."""
+        if not hasattr(self, "_kernel_path"):
+            enabled = os.environ.get("REDSERVE_KERNEL_PATH", "1") != "0"
+            layers = [self.layers[i] for i in self.layer_range]
+            plain = enabled and all(is_plain_layer(layer) for layer in layers)
+            self._kernel_path = LlamaKernelPath.build(layers) if plain else None
+        return self._kernel_path
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(self.norm(hidden)).float()

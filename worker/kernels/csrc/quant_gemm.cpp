@@ -66,6 +66,7 @@ struct Q8Block {
                                        d(half_to_float(p)) {}
   // int8 x int8: |w| as the unsigned operand, x with w's sign as the signed one.
   __m256i dot(__m256i x) const { return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+  __m256i dot2(__m256i q, __m256i rest) const { return _mm256_add_epi32(_mm256_slli_epi32(dot(q), 8), dot(rest)); }
 };
 
 inline __m256i unpack_nibbles(const uint8_t* p) {
@@ -84,6 +85,14 @@ struct Q4Block {
         d(half_to_float(p)),
         m(F == Format::kQ4_1 ? half_to_float(p + 2) : -8.f * half_to_float(p)) {}
   __m256i dot(__m256i x) const { return dot_u8_i8(w, x); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  // 256 sum(w q) + sum(w q'): the second sum accumulated onto the first, shifted, by one vpdpbusd.
+  __m256i dot2(__m256i q, __m256i rest) const {
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(dot_u8_i8(w, q), 8), w, rest);
+  }
+#else
+  __m256i dot2(__m256i q, __m256i rest) const { return _mm256_add_epi32(_mm256_slli_epi32(dot(q), 8), dot(rest)); }
+#endif
 };
 
 template <Format F>
@@ -113,7 +122,7 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
       _mm_prefetch(reinterpret_cast<const char*>(p + ROWS * row_bytes), _MM_HINT_T0);  // the next tile
       const Block blk(p);
       for (int j = 0; j < XS; ++j) {
-        const __m256i sum = _mm256_add_epi32(_mm256_slli_epi32(blk.dot(xq[j]), 8), blk.dot(xr[j]));
+        const __m256i sum = blk.dot2(xq[j], xr[j]);
         const __m256 prod = _mm256_cvtepi32_ps(sum);
         acc[j][r] = _mm256_fmadd_ps(prod, _mm256_set1_ps(blk.d * xe[j]), acc[j][r]);
         if constexpr (Block::kHasMin) mins[j][r] += blk.m * x.sum(x0 + j, b);
