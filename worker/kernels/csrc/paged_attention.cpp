@@ -187,6 +187,96 @@ inline void accumulate_values_simd(float* acc, const float* p, const E* v, int64
     _mm256_storeu_ps(acc + e0, a);
   }
 }
+
+// The sums of four vectors' eight lanes, as four floats.
+inline __m128 lane_sums4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The G query rows of one GQA group (rows d apart) scored against keys [0, n) of their KV head (scores of row g
+// at scores + g * score_stride): each key's eight dims are loaded, and widened, once for the G rows. Four keys a
+// pass: 4 G accumulators, G queries and one key in registers (16 ymm at G = 3).
+template <int G, typename E>
+inline void score_keys_group(const float* q, int64_t d, const E* k, int64_t key_stride, int64_t n, float* scores,
+                             int64_t score_stride) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 8) {
+      __m256 qv[G];
+      for (int g = 0; g < G; ++g) qv[g] = _mm256_loadu_ps(q + g * d + e);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 kv = load8(k + (j + i) * key_stride + e);
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(qv[g], kv, acc[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm_storeu_ps(scores + g * score_stride + j, lane_sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  for (; j < n; ++j) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 8) {
+      const __m256 kv = load8(k + j * key_stride + e);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + e), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m128 s4 = lane_sums4(acc[g], acc[g], acc[g], acc[g]);
+      scores[g * score_stride + j] = _mm_cvtss_f32(s4);
+    }
+  }
+}
+
+// acc_g += sum_j p_g[j] * v_j for the G rows of one GQA group (accumulators d apart, probabilities
+// p_stride apart) over keys [0, n): each value row is loaded, and widened, once for the G rows. 32 dims a pass:
+// 4 G accumulators, G probabilities and one value in registers. Head dim a multiple of 32.
+template <int G, typename E>
+inline void accumulate_values_group(float* acc, int64_t d, const float* p, int64_t p_stride, const E* v,
+                                    int64_t value_stride, int64_t n) {
+  for (int64_t e0 = 0; e0 < d; e0 += 32) {
+    __m256 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * d + e0 + 8 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 pj[G];
+      for (int g = 0; g < G; ++g) pj[g] = _mm256_set1_ps(p[g * p_stride + j]);
+      const E* vj = v + j * value_stride + e0;
+      for (int c = 0; c < 4; ++c) {
+        const __m256 vv = load8(vj + 8 * c);
+        for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(pj[g], vv, a[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * d + e0 + 8 * c, a[g][c]);
+  }
+}
+
+// One GQA group of a block (rows head * G .. head * G + G - 1 of the scratch), for G = 2..4; false: not served.
+template <typename E>
+inline bool score_group(int64_t group, const float* q, int64_t d, const E* k, int64_t key_stride, int64_t n,
+                        float* scores, int64_t score_stride) {
+  switch (group) {
+    case 2: score_keys_group<2>(q, d, k, key_stride, n, scores, score_stride); return true;
+    case 3: score_keys_group<3>(q, d, k, key_stride, n, scores, score_stride); return true;
+    case 4: score_keys_group<4>(q, d, k, key_stride, n, scores, score_stride); return true;
+    default: return false;
+  }
+}
+
+template <typename E>
+inline bool accumulate_group(int64_t group, float* acc, int64_t d, const float* p, int64_t p_stride, const E* v,
+                             int64_t value_stride, int64_t n) {
+  if (d % 32) return false;
+  switch (group) {
+    case 2: accumulate_values_group<2>(acc, d, p, p_stride, v, value_stride, n); return true;
+    case 3: accumulate_values_group<3>(acc, d, p, p_stride, v, value_stride, n); return true;
+    case 4: accumulate_values_group<4>(acc, d, p, p_stride, v, value_stride, n); return true;
+    default: return false;
+  }
+}
 #endif
 
 // The AVX2 decode path serves this dtype (float32, or bfloat16 widened to it as it is read).
@@ -344,9 +434,13 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
     if (simd) {  // per query row, eight keys of its KV head per pass (the block stays in L1 across rows)
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (simd_decode_dtype<T>()) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const auto* keys = storage(w.k + slot0 * w.kv_slot + (t.head_begin + r / s.group) * w.kv_head);
-          score_keys_simd(x.q.data() + r * d, keys, w.kv_slot, n, d, x.scores.data() + r * bs);
+        for (int64_t h = 0; h < nh; ++h) {
+          const auto* keys = storage(w.k + slot0 * w.kv_slot + (t.head_begin + h) * w.kv_head);
+          const int64_t r0 = h * s.group;
+          if (score_group(s.group, x.q.data() + r0 * d, d, keys, w.kv_slot, n, x.scores.data() + r0 * bs, bs)) continue;
+          for (int64_t r = r0; r < r0 + s.group; ++r) {
+            score_keys_simd(x.q.data() + r * d, keys, w.kv_slot, n, d, x.scores.data() + r * bs);
+          }
         }
       }
 #endif
@@ -388,9 +482,15 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
     if (simd) {
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (simd_decode_dtype<T>()) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const auto* values = storage(w.v + slot0 * w.kv_slot + (t.head_begin + r / s.group) * w.kv_head);
-          accumulate_values_simd(x.acc.data() + r * d, x.scores.data() + r * bs, values, w.kv_slot, n, d);
+        for (int64_t h = 0; h < nh; ++h) {
+          const auto* values = storage(w.v + slot0 * w.kv_slot + (t.head_begin + h) * w.kv_head);
+          const int64_t r0 = h * s.group;
+          if (accumulate_group(s.group, x.acc.data() + r0 * d, d, x.scores.data() + r0 * bs, bs, values, w.kv_slot, n)) {
+            continue;
+          }
+          for (int64_t r = r0; r < r0 + s.group; ++r) {
+            accumulate_values_simd(x.acc.data() + r * d, x.scores.data() + r * bs, values, w.kv_slot, n, d);
+          }
         }
       }
 #endif
