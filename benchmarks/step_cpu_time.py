@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the engine's own choice)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"])
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     import engine

@@ -178,7 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8"],
                         help="a GGUF file: its blocks (auto/gguf) or its dequantized conversion (none)")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--input-len", type=int, default=128)

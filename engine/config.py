@@ -20,7 +20,7 @@ _DTYPES = {
 }
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 
 @dataclass
@@ -34,7 +34,8 @@ class EngineConfig:
 
     ``quantization``: ``gguf`` serves a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as their blocks
     (``worker.gguf_weights``; CPU only), ``none`` its dequantized conversion, ``auto`` (the default) follows
-    the file: ``gguf`` for a GGUF on the CPU, else ``none``. ``gguf_file`` is the GGUF that ``model`` was
+    the file: ``gguf`` for a GGUF on the CPU, else ``none``; ``int8`` rounds a float checkpoint's projections and LM
+    head to int8 blocks at load (``worker.int8_weights``; CPU only). ``gguf_file`` is the GGUF that ``model`` was
     converted from (set here; carried to the workers with the rest).
     """
 
@@ -109,6 +110,11 @@ class EngineConfig:
             raise ValueError("--quantization gguf needs a GGUF file as --model")
         if self.quantization == "gguf" and self.device != "cpu":
             raise ValueError("--quantization gguf runs on the CPU only; use --quantization none on CUDA")
+        if self.quantization == "int8" and self.gguf_file is not None:
+            raise ValueError("--quantization int8 rounds a float checkpoint's weights; a GGUF file is served as its "
+                             "own blocks (gguf) or dequantized (none)")
+        if self.quantization == "int8" and self.device != "cpu":
+            raise ValueError("--quantization int8 runs on the CPU only; use --quantization none on CUDA")
         return self.quantization
 
     @property

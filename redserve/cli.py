@@ -22,9 +22,10 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's bf16/fp16 on a GPU; on a CPU bf16 only for a bf16/fp16 checkpoint "
                         "on a CPU with AMX/AVX512-BF16, else float32 (README 'dtype'; the choice is logged)")
     g.add_argument("--device", default=env("REDSERVE_DEVICE", "auto"), help="auto, cpu or cuda")
-    g.add_argument("--quantization", default=env("REDSERVE_QUANTIZATION", "auto"), choices=["auto", "none", "gguf"],
-                   help="auto: follow the file (a GGUF's Q8_0/Q4_0/Q4_1 tensors stay quantized on the CPU); "
-                        "none: serve the dequantized conversion; gguf: quantized (CPU only)")
+    g.add_argument("--quantization", default=env("REDSERVE_QUANTIZATION", "auto"), choices=["auto", "none", "gguf", "int8"],
+                   help="auto: follow the file (a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors stay quantized on the CPU); "
+                        "none: serve the dequantized conversion; gguf: quantized (CPU only); int8: a float "
+                        "checkpoint's projections and LM head rounded to int8 blocks at load (CPU only)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -67,9 +67,10 @@ def weight_files(model_dir: str) -> list[Path]:
 
 
 def build_model(model_dir: str, config, dtype: torch.dtype, device: torch.device, max_positions: int,
-                gguf_file: str | None = None) -> nn.Module:
+                gguf_file: str | None = None, int8: bool = False) -> nn.Module:
     """The model with its weights; ``gguf_file``: serve that file's quantized tensors as blocks
-    (``worker.gguf_weights``), the rest from ``model_dir`` (its converted directory)."""
+    (``worker.gguf_weights``), the rest from ``model_dir`` (its converted directory); ``int8``: the float
+    projections and LM head rounded to int8 blocks once loaded (``worker.int8_weights``)."""
     arch = next(a for a in config.architectures if a in ARCHITECTURES)
     with torch.device(device):
         model = ARCHITECTURES[arch](config, dtype, device, max_positions)
@@ -88,6 +89,9 @@ def build_model(model_dir: str, config, dtype: torch.dtype, device: torch.device
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
     if missing:
         raise ModelLoadError(f"checkpoint in {model_dir} lacks weights for: {missing[:8]}")
+    if int8:
+        from worker.int8_weights import quantize_int8
+        quantize_int8(model)
     return model.eval()
 
 

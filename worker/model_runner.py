@@ -61,7 +61,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         started = time.perf_counter()
         self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len,
-                                 gguf_file=config.quantized_gguf_file)
+                                 gguf_file=config.quantized_gguf_file, int8=config.quantization == "int8")
         logger.info("loaded %s (%s, %s) in %.2fs", config.model, self.dtype, self.device,
                     time.perf_counter() - started)
         hf = self.hf_config
