@@ -1,4 +1,4 @@
-"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1; Q4_K, Q6_K) and multiplied without a float copy.
+"""Weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0; Q4_K, Q6_K) and multiplied without a float copy.
 
 Why: a decode step at one stream reads every weight once, so its time follows the weight bytes; a Q4_1
 weight is 0.625 bytes a value (Q4_K 0.5625, Q6_K 0.82) against 4 (float32) or 2 (bfloat16). Measured on a
@@ -52,13 +52,14 @@ class BlockFormat(IntEnum):
 
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
     Q8_0 = 8
     Q4_K = 12
     Q6_K = 14
 
     @property
     def block_bytes(self) -> int:
-        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q8_0: 34,
+        return {BlockFormat.Q4_0: 18, BlockFormat.Q4_1: 20, BlockFormat.Q5_0: 22, BlockFormat.Q8_0: 34,
                 BlockFormat.Q4_K: k_quants.Q4_K_BYTES, BlockFormat.Q6_K: k_quants.Q6_K_BYTES}[self]
 
     @property
@@ -79,6 +80,13 @@ def dequantize(blocks: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> to
     d = halves[..., 0:1].float()
     if fmt is BlockFormat.Q8_0:
         w = b[..., 2:].view(torch.int8).float() * d
+    elif fmt is BlockFormat.Q5_0:  # bit j of the 32-bit qh is weight j's fifth bit
+        nibbles = b[..., 6:]
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).int()
+        qh = b[..., 2:6].int()
+        qh = qh[..., 0:1] | qh[..., 1:2] << 8 | qh[..., 2:3] << 16 | qh[..., 3:4] << 24
+        q |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1) << 4
+        w = (q.float() - 16) * d
     else:
         nibbles = b[..., 4:] if fmt is BlockFormat.Q4_1 else b[..., 2:]
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()

@@ -1,15 +1,16 @@
-// y = x W^T (+ b) with W [N, K] kept as GGUF blocks of 32 weights (Q8_0, Q4_0, Q4_1), the dequantization in
+// y = x W^T (+ b) with W [N, K] kept as GGUF blocks of 32 weights (Q8_0, Q4_0, Q4_1, Q5_0), the dequantization in
 // registers. Each row of W is its K / 32 blocks back to back, in the file's own layout:
 //   Q8_0  34 bytes: fp16 d, 32 int8 q                 w = d * q
 //   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles       w = d * (q - 8)
 //   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes nibbles  w = d * q + m
+//   Q5_0  22 bytes: fp16 d, 4 bytes high bits, 16 bytes nibbles   w = d * (q - 16), q = nibble | bit j << 4
 // (a nibble byte j holds weight j in its low half and weight j + 16 in its high half).
 //
 // The rows of x are first quantized to int8 blocks of 32 plus an int8 remainder (quant_rows.h: x = e (q + q' / 256)
 // within e / 256, s = e (sum(q) + sum(q') / 256)). A block's dot product is then integer sums over
 // 32 int8 x int8 (Q8_0) or uint4 x int8 (Q4) products, 256 sum(qw q) + sum(qw q') (exact in int32), scaled
 // by d * e / 256:
-//   Q8_0: d e' sum      Q4_1: d e' sum + m s      Q4_0 as Q4_1 with m = -8 d      (e' = e / 256)
+//   Q8_0: d e' sum      Q4_1: d e' sum + m s      Q4_0, Q5_0 as Q4_1 with m = -8 d, -16 d      (e' = e / 256)
 // The integer sums: AVX-512 VNNI vpdpbusd (unsigned x signed bytes into int32, no saturation); else AVX2
 // vpmaddubsw + vpmaddwd (int16 pairs cannot saturate here: |qw| <= 127 after the sign trick or <= 15, |qx| <= 127);
 // else the plain loop. Which path a build takes follows the CPU it is built for (-march=native; the build
@@ -43,15 +44,37 @@ namespace {
 
 using namespace redserve_quant;
 
-enum class Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type ids
+enum class Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8 };  // GGML's type ids
 
 int64_t block_bytes(Format f) {
   switch (f) {
     case Format::kQ8_0: return 34;
     case Format::kQ4_0: return 18;
     case Format::kQ4_1: return 20;
+    case Format::kQ5_0: return 22;
   }
   return 0;
+}
+
+template <Format F>
+constexpr int64_t bytes_of() {
+  return F == Format::kQ8_0 ? 34 : F == Format::kQ4_1 ? 20 : F == Format::kQ5_0 ? 22 : 18;
+}
+
+// Where a 4- or 5-bit block's nibbles start, and its min: w = d q + min (Q4_0: -8 d, Q5_0: -16 d).
+template <Format F>
+constexpr int64_t nibbles_at() { return F == Format::kQ4_1 ? 4 : F == Format::kQ5_0 ? 6 : 2; }
+
+template <Format F>
+inline float block_min(const uint8_t* p, float d) {
+  return F == Format::kQ4_1 ? half_to_float(p + 2) : F == Format::kQ5_0 ? -16.f * d : -8.f * d;
+}
+
+// Q5_0's fifth bits: bit j of the block's 32-bit qh belongs to weight j.
+inline uint32_t high_bits(const uint8_t* p) {
+  uint32_t qh;
+  std::memcpy(&qh, p + 2, 4);
+  return qh;
 }
 
 // ---- one block's integer dot product ---------------------------------------------------------------------
@@ -75,15 +98,29 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
+// A 4- or 5-bit block's 32 unsigned codes, one a byte in weight order. Q5_0's fifth bits: byte j takes the qh byte
+// that holds bit j (a shuffle within each 128-bit lane of qh broadcast), keeps bit j % 8, and sets 16 where it is on.
+template <Format F>
+inline __m256i block_codes(const uint8_t* p) {
+  const __m256i nibbles = unpack_nibbles(p + nibbles_at<F>());
+  if constexpr (F != Format::kQ5_0) {
+    return nibbles;
+  } else {
+    const __m256i qh = _mm256_set1_epi32(static_cast<int>(high_bits(p)));
+    const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                    2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(on, _mm256_set1_epi8(0x10)));
+  }
+}
+
 template <Format F>
 struct Q4Block {
   __m256i w;
   static constexpr bool kHasMin = true;
   float d, m;
-  explicit Q4Block(const uint8_t* p)
-      : w(unpack_nibbles(p + (F == Format::kQ4_1 ? 4 : 2))),
-        d(half_to_float(p)),
-        m(F == Format::kQ4_1 ? half_to_float(p + 2) : -8.f * half_to_float(p)) {}
+  explicit Q4Block(const uint8_t* p) : w(block_codes<F>(p)), d(half_to_float(p)), m(block_min<F>(p, d)) {}
   __m256i dot(__m256i x) const { return dot_u8_i8(w, x); }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   // 256 sum(w q) + sum(w q'): the second sum accumulated onto the first, shifted, by one vpdpbusd.
@@ -104,7 +141,7 @@ struct BlockOf<Format::kQ8_0> { using type = Q8Block; };
 template <Format F, int ROWS, int XS>
 inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
   using Block = typename BlockOf<F>::type;
-  constexpr int64_t kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_1 ? 20 : 18);
+  constexpr int64_t kBytes = bytes_of<F>();
   __m256 acc[XS][ROWS];
   float mins[XS][ROWS] = {};
   for (int j = 0; j < XS; ++j)
@@ -148,10 +185,12 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
         if constexpr (F == Format::kQ8_0) {
           for (int i = 0; i < kBlock; ++i) dot += static_cast<int8_t>(p[2 + i]) * (256 * q[i] + rest[i]);
         } else {
-          const uint8_t* nib = p + (F == Format::kQ4_1 ? 4 : 2);
-          m = F == Format::kQ4_1 ? half_to_float(p + 2) : -8.f * d;
+          const uint8_t* nib = p + nibbles_at<F>();
+          const uint32_t qh = F == Format::kQ5_0 ? high_bits(p) : 0u;
+          m = block_min<F>(p, d);
           for (int i = 0; i < kBlock / 2; ++i) {
-            dot += (nib[i] & 0x0F) * (256 * q[i] + rest[i]) + (nib[i] >> 4) * (256 * q[i + 16] + rest[i + 16]);
+            const int lo = (nib[i] & 0x0F) | ((qh >> i & 1u) << 4), hi = (nib[i] >> 4) | ((qh >> (i + 16) & 1u) << 4);
+            dot += lo * (256 * q[i] + rest[i]) + hi * (256 * q[i + 16] + rest[i + 16]);
           }
         }
         total += d * x.scale(x0 + j, b) * static_cast<float>(dot) + m * x.sum(x0 + j, b);
@@ -176,13 +215,14 @@ void run(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks
     case Format::kQ8_0: return run_rows<Tile<Format::kQ8_0>>(out, x, blocks, bias);
     case Format::kQ4_0: return run_rows<Tile<Format::kQ4_0>>(out, x, blocks, bias);
     case Format::kQ4_1: return run_rows<Tile<Format::kQ4_1>>(out, x, blocks, bias);
+    case Format::kQ5_0: return run_rows<Tile<Format::kQ5_0>>(out, x, blocks, bias);
   }
 }
 
 void check_linear_args(const char* name, const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks,
                        Format f, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1,
-              name, ": GGML type ", static_cast<int64_t>(f), " is not Q8_0, Q4_0 or Q4_1");
+  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1 || f == Format::kQ5_0,
+              name, ": GGML type ", static_cast<int64_t>(f), " is not Q8_0, Q4_0, Q4_1 or Q5_0");
   redserve_quant::check_linear_args(name, out, x, blocks, kBlock, block_bytes(f), bias);
 }
 
@@ -208,9 +248,9 @@ inline void dequantize_block(float* w, const uint8_t* p) {
 #if defined(REDSERVE_QUANT_AVX2)
   // 8 weights at a time: bytes widened to int32, converted, scaled (Q4: one FMA with the block's min).
   const __m256i q = F == Format::kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2))
-                                       : unpack_nibbles(p + (F == Format::kQ4_1 ? 4 : 2));
+                                       : block_codes<F>(p);
   const __m256 dv = _mm256_set1_ps(d);
-  const __m256 mv = _mm256_set1_ps(F == Format::kQ4_1 ? half_to_float(p + 2) : -8.f * d);
+  const __m256 mv = _mm256_set1_ps(F == Format::kQ8_0 ? 0.f : block_min<F>(p, d));
   for (int part = 0; part < 4; ++part) {
     const __m128i bytes = part < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
     const __m128i eight = (part & 1) ? _mm_srli_si128(bytes, 8) : bytes;
@@ -225,11 +265,12 @@ inline void dequantize_block(float* w, const uint8_t* p) {
     const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
     for (int64_t j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(q[j]);
   } else {
-    const uint8_t* nib = p + (F == Format::kQ4_1 ? 4 : 2);
-    const float m = F == Format::kQ4_1 ? half_to_float(p + 2) : -8.f * d;
+    const uint8_t* nib = p + nibbles_at<F>();
+    const uint32_t qh = F == Format::kQ5_0 ? high_bits(p) : 0u;
+    const float m = block_min<F>(p, d);
     for (int64_t j = 0; j < kBlock / 2; ++j) {
-      w[j] = std::fma(static_cast<float>(nib[j] & 0x0F), d, m);
-      w[j + 16] = std::fma(static_cast<float>(nib[j] >> 4), d, m);
+      w[j] = std::fma(static_cast<float>((nib[j] & 0x0F) | ((qh >> j & 1u) << 4)), d, m);
+      w[j + 16] = std::fma(static_cast<float>((nib[j] >> 4) | ((qh >> (j + 16) & 1u) << 4)), d, m);
     }
   }
 #endif
@@ -237,15 +278,15 @@ inline void dequantize_block(float* w, const uint8_t* p) {
 
 template <Format F>
 void dequantize_range(float* dst, const uint8_t* src, int64_t first, int64_t last) {
-  constexpr int64_t kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_1 ? 20 : 18);
+  constexpr int64_t kBytes = bytes_of<F>();
   for (int64_t i = first; i < last; ++i) dequantize_block<F>(dst + i * kBlock, src + i * kBytes);
 }
 
 // out[r] = the weights of blocks row r, as float32 (for many rows of x, where a float GEMM beats the int8 path).
 void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
   const auto f = static_cast<Format>(ggml_type);
-  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1,
-              "dequantize_rows: GGML type ", ggml_type, " is not Q8_0, Q4_0 or Q4_1");
+  TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1 || f == Format::kQ5_0,
+              "dequantize_rows: GGML type ", ggml_type, " is not Q8_0, Q4_0, Q4_1 or Q5_0");
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && out.scalar_type() == torch::kFloat && blocks.dim() == 2 &&
                   out.dim() == 2 && blocks.is_contiguous() && out.is_contiguous(),
               "dequantize_rows: uint8 blocks [N, B] and float32 out [N, K], contiguous");
@@ -259,6 +300,7 @@ void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type)
       case Format::kQ8_0: return dequantize_range<Format::kQ8_0>(dst, src, first, last);
       case Format::kQ4_0: return dequantize_range<Format::kQ4_0>(dst, src, first, last);
       case Format::kQ4_1: return dequantize_range<Format::kQ4_1>(dst, src, first, last);
+      case Format::kQ5_0: return dequantize_range<Format::kQ5_0>(dst, src, first, last);
     }
   });
 }
@@ -286,7 +328,7 @@ constexpr int64_t kRowVectors = 2;     // vectors of rows in a micro-tile
 
 template <Format F>
 void dequantize_row(float* w, const uint8_t* p, int64_t blocks) {
-  constexpr int64_t kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_1 ? 20 : 18);
+  constexpr int64_t kBytes = bytes_of<F>();
   for (int64_t b = 0; b < blocks; ++b) dequantize_block<F>(w + b * kBlock, p + b * kBytes);
 }
 
@@ -423,11 +465,11 @@ inline uint16_t bf16_bits_of_small_int(int v) {  // exact: |v| <= 256 has at mos
 // One row of W as its codes (bfloat16, natural k order) and per-block scale and min (Q4_0: q - 8, min 0).
 template <Format F>
 void decode_codes(uint16_t* q, float* d, float* mn, const uint8_t* p, int64_t blocks) {
-  constexpr int64_t kBytes = F == Format::kQ8_0 ? 34 : (F == Format::kQ4_1 ? 20 : 18);
-  // Q4: the 16 codes' bfloat16 bits, looked up by code (vpermw); the table's upper half is unused.
+  constexpr int64_t kBytes = bytes_of<F>();
+  // Q4 / Q5: the codes' bfloat16 bits (minus Q4_0's 8 or Q5_0's 16), looked up by code (vpermw); Q4 uses half.
   alignas(64) static const std::array<uint16_t, 32> table = [] {
     std::array<uint16_t, 32> t{};
-    for (int i = 0; i < 16; ++i) t[i] = bf16_bits_of_small_int(i + (F == Format::kQ4_0 ? -8 : 0));
+    for (int i = 0; i < 32; ++i) t[i] = bf16_bits_of_small_int(i + (F == Format::kQ4_0 ? -8 : F == Format::kQ5_0 ? -16 : 0));
     return t;
   }();
   const __m512i lut = _mm512_load_si512(table.data());
@@ -442,7 +484,7 @@ void decode_codes(uint16_t* q, float* d, float* mn, const uint8_t* p, int64_t bl
       _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     } else {
       mn[b] = F == Format::kQ4_1 ? half_to_float(p + 2) : 0.f;
-      const __m512i codes = _mm512_cvtepu8_epi16(unpack_nibbles(p + (F == Format::kQ4_1 ? 4 : 2)));
+      const __m512i codes = _mm512_cvtepu8_epi16(block_codes<F>(p));
       _mm512_storeu_si512(out, _mm512_permutexvar_epi16(codes, lut));
     }
   }
@@ -568,6 +610,7 @@ void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Te
       case Format::kQ8_0: return bf16_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
       case Format::kQ4_0: return bf16_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
       case Format::kQ4_1: return bf16_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
+      case Format::kQ5_0: return bf16_matmul<Format::kQ5_0>(o, xd, w, bias, m, k, n, row_bytes);
     }
   }
 #endif
@@ -575,6 +618,7 @@ void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Te
     case Format::kQ8_0: return float_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
     case Format::kQ4_0: return float_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
     case Format::kQ4_1: return float_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
+    case Format::kQ5_0: return float_matmul<Format::kQ5_0>(o, xd, w, bias, m, k, n, row_bytes);
   }
 }
 
@@ -601,9 +645,9 @@ bool native_bf16_matmul() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q8_0 / Q4_0 / Q4_1 blocks");
+  m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks");
   m.def("quant_matmul", &quant_matmul,
         "out = x @ dequantize(blocks).T (+ bias) for many rows of x: the weights decoded once a call, x in its own dtype");
   m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul multiplies bfloat16 x with vdpbf16ps");
-  m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 block rows");
+  m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 block rows");
 }
