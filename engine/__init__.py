@@ -1,7 +1,7 @@
 """Engine core: scheduler, KV block manager, EngineCore, the engine process and the offline ``LLM``.
 
-``from engine import LLM, SamplingParams`` is the offline API; attributes load lazily so importing a
-submodule (as ``worker`` does for the shared step types) never pulls in the whole engine.
+``from engine import LLM, SamplingParams`` is the offline API; attributes load lazily so importing one
+submodule never pulls in the whole engine.
 """
 
 from typing import Any

@@ -26,11 +26,11 @@ from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_metrics import StepMetrics
-from engine.step_types import SchedulerOutput
 from engine.structured_output import LLMatcher, StructuredOutputs
 from protocol.messages import RequestOutput
 from protocol.request_ids import sequence_id
 from protocol.sampling_params import SamplingParams
+from protocol.step_types import SchedulerOutput
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)

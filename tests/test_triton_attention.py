@@ -17,7 +17,7 @@ from triton_interpret import load
 
 kernels, DEVICE, INTERPRETED = load("triton_attention")
 
-from engine.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from protocol.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker.input_batch import InputBatch  # noqa: E402
 from worker.layers import attention  # noqa: E402
 from worker.layers.attention import PagedAttention  # noqa: E402

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import step_types
-from protocol import messages
+from protocol import messages, step_types
 from protocol.errors import MessageError
 from protocol.wire_schema import wire
 from worker import serialization

@@ -38,7 +38,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.step_types import (
+from protocol.step_types import (
     ModelRunnerOutput,
     SchedulerOutput,
     runner_output_from_wire,
