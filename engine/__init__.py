@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
         from protocol.sampling_params import SamplingParams
         return SamplingParams
     if name == "EngineConfig":
-        from engine.config import EngineConfig
+        from worker.config import EngineConfig
         return EngineConfig
     if name == "EngineCore":
         from engine.core import EngineCore

@@ -39,7 +39,6 @@ from broker.keys import EngineState, RedisKeys
 from broker.prefix_index import PrefixIndexWriter
 from broker.registry import EngineHeartbeat, EngineRegistry
 from engine.block_manager import CacheEvents
-from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.dp_wave import IDLE_WAIT, DpWaves
 from engine.input_items import ClientGone, Drain, InputItem, Received, Rejoin
@@ -55,6 +54,7 @@ from protocol.messages import (
     UtilityResult,
 )
 from protocol.sampling_params import SamplingParams
+from worker.config import EngineConfig
 from worker.multiproc_executor import WorkerDied
 
 logger = logging.getLogger(__name__)

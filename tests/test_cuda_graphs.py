@@ -15,9 +15,9 @@ from triton_interpret import load
 
 kernels, DEVICE, INTERPRETED = load("triton_attention")
 
-from engine.config import EngineConfig  # noqa: E402
 from protocol.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker import cuda_graphs  # noqa: E402
+from worker.config import EngineConfig  # noqa: E402
 from worker.cuda_graphs import CudaGraph, EagerGraph, capture_sizes, graphs_off_reason  # noqa: E402
 from worker.layers.attention import UnifiedBatch  # noqa: E402
 

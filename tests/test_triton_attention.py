@@ -299,7 +299,7 @@ def tiny_gemma2_dir(tmp_path) -> str:
 def run_two_steps(model: str, use_triton: bool) -> list[torch.Tensor]:
     """Two steps of one runner, each step's logits over every row: a fresh prompt and the first chunk of
     another, then a decode, that prompt's second chunk, a new prompt and a prefix hit on the first."""
-    from engine.config import EngineConfig
+    from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=256))

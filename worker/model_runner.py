@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
 from protocol.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.config import EngineConfig
 from worker.cuda_graphs import CudaGraph, GraphRunner, capture_sizes, graphs_off_reason
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
 from worker.input_batch import PLACEHOLDER_TOKEN, InputBatch, PendingToken, PromptLogprobRows
