@@ -146,7 +146,7 @@ def resolve_model(args: argparse.Namespace) -> Model:
     elif args.model:
         path = str(args.model)
     else:
-        from engine.tiny_model import ensure_default_model
+        from worker.models.tiny_model import ensure_default_model
         path = str(ensure_default_model())
     if not is_gguf(path):
         return Model(path, path)

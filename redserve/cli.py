@@ -130,7 +130,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import run_from_args
+    from worker.models.tiny_model import run_from_args
     return run_from_args(args)
 
 
@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF model directory")
-    from engine.tiny_model import add_arguments
+    from worker.models.tiny_model import add_arguments
     add_arguments(p)
     p.set_defaults(func=cmd_make_tiny_model)
 

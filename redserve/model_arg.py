@@ -26,7 +26,7 @@ def resolve_model(args: argparse.Namespace) -> None:
         check_model_path(args)
         _convert_gguf(args)
     else:
-        from engine.tiny_model import default_model_dir, ensure_default_model
+        from worker.models.tiny_model import default_model_dir, ensure_default_model
         logging.getLogger("redserve").warning(
             "no --model given: serving the tiny test model (random weights) at %s", default_model_dir())
         args.model = str(ensure_default_model())

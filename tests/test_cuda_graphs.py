@@ -44,7 +44,7 @@ def tp1():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("graphs") / "tiny-llama", arch="llama", seed=3,
                                hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,

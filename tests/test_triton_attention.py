@@ -289,7 +289,7 @@ def tp1():
 
 @pytest.fixture
 def tiny_gemma2_dir(tmp_path) -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path / "tiny-gemma2", arch="gemma2", seed=2, hidden_size=64, num_layers=2,
                                num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512,
