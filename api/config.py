@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from broker.model_source import resolve_model_dir
+from common.model_source import convert_in_child, resolve_model_dir
 
 
 @dataclass
@@ -45,7 +45,7 @@ be resumed on another engine when its engine goes (`broker.client.migration`; 0:
     def __post_init__(self) -> None:
         if not self.redis_url:
             raise ValueError("a Redis URL is required: pass --redis-url or set REDSERVE_REDIS_URL")
-        model_dir = resolve_model_dir(self.model, in_subprocess=True)  # a GGUF: converted once, cached
+        model_dir = resolve_model_dir(self.model, convert_in_child)  # a GGUF: converted once, cached
         if not os.path.isdir(model_dir):
             raise ValueError(f"--model {self.model!r} is not a directory or a GGUF file")
         if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.messages import ErrorCode
+from protocol.messages import ErrorCode
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

@@ -36,7 +36,7 @@ from typing import Protocol
 from api.detokenizer import Decoder, IncrementalDetokenizer
 from api.stop_strings import StopStringMatcher
 from broker.client.request_handle import RequestHandle
-from broker.messages import AddRequest, ErrorCode, FinishReason, RequestOutput, make_error
+from protocol.messages import AddRequest, ErrorCode, FinishReason, RequestOutput, make_error
 from protocol.request_ids import prompt_request_id
 from protocol.sampling_params import SamplingParams
 

@@ -81,7 +81,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from broker.control_state import warn_bad
-from broker.messages import ErrorCode, FinishReason
+from protocol.messages import ErrorCode, FinishReason
 
 logger = logging.getLogger(__name__)
 

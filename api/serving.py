@@ -33,7 +33,8 @@ from api.generation import ChoiceOutput, ClientDisconnected, Generation, Generat
 from api.metrics import IN_FLIGHT, RequestRecorder
 from api.protocol import fit_to_context
 from api.state import ApiState
-from broker.errors import BrokerUnavailable, EngineOverloaded, MessageError, NoEngineAvailable
+from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable
+from protocol.errors import MessageError
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Rules:
   stay light and fork-safe, so the tokenizer is ``PreTrainedTokenizerFast.from_pretrained(dir)``:
   the same ``tokenizer.json``, special tokens and chat template that ``AutoTokenizer`` loads for
   fast tokenizers. A model without a ``tokenizer.json`` cannot be served (ValueError at startup).
-- A GGUF ``model_dir`` means its converted cache directory (``broker.model_source``): the tokenizer,
+- A GGUF ``model_dir`` means its converted cache directory (``common.model_source``): the tokenizer,
   chat template and config.json come from there. Loading a tokenizer straight from a GGUF imports
   torch (transformers' GGUF reader), so when the cache is missing it is converted in a child
   process (under the cache lock, so an engine converting the same file at once is waited for).
@@ -34,7 +34,7 @@ from api.chat_template import (
     check_template_kwargs,
     render_budget,
 )
-from broker.model_source import resolve_model_dir
+from common.model_source import convert_in_child, resolve_model_dir
 
 
 class ModelTokenizer:
@@ -43,7 +43,7 @@ class ModelTokenizer:
     def __init__(self, model_dir: str, trust_request_chat_template: bool = False,
                  render_timeout: float = DEFAULT_RENDER_TIMEOUT,
                  max_render_chars: int = DEFAULT_MAX_RENDER_CHARS) -> None:
-        model_dir = resolve_model_dir(model_dir, in_subprocess=True)
+        model_dir = resolve_model_dir(model_dir, convert_in_child)
         self.model_dir = model_dir
         if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
             raise ValueError(f"{model_dir} has no tokenizer.json: the API needs a fast (tokenizers) tokenizer")

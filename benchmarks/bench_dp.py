@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from broker.client import BrokerClient  # noqa: E402
 from broker.keys import RedisKeys  # noqa: E402
-from broker.messages import AddRequest  # noqa: E402
 from broker.registry import EngineRegistry  # noqa: E402
+from protocol.messages import AddRequest  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
 from redserve.redis_server import EmbeddedRedis  # noqa: E402
 

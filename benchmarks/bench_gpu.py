@@ -54,7 +54,7 @@ TARGETS = {"served_c1_tpot_ms": "<= 1.5", "served_c64_tok_s": ">= 25,000", "offl
 
 
 def one_b_model() -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     path = Path.home() / ".cache" / "redserve" / "bench-1b"
     if not (path / "config.json").is_file():

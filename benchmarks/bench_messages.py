@@ -2,10 +2,10 @@
 
 Three cases, each timed as one full round trip (objects -> bytes -> objects):
 - ``engine_outputs_x64``: an ``EngineOutputs`` with 64 running ``RequestOutput`` s, through
-  ``broker.messages.encode`` / ``decode`` (one per client per engine step);
+  ``protocol.messages.encode`` / ``decode`` (one per client per engine step);
 - ``add_request``: an ``AddRequest`` with a 256-token prompt and a typical params dict (one per request);
 - ``scheduler_output_x64``: a ``SchedulerOutput`` of 64 cached (decoding) requests, through
-  ``engine.step_types`` and the shm queue codec ``worker.serialization`` (one per TP step), plus
+  ``protocol.step_types`` and the shm queue codec ``worker.serialization`` (one per TP step), plus
   the 64-token ``ModelRunnerOutput`` reply.
 
 Prints microseconds per round trip: the best of ``--repeat`` runs of ``--number`` round trips each
@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: another tree there wins
 
-from broker.messages import AddRequest, EngineOutputs, RequestOutput, decode, encode  # noqa: E402
-from engine import step_types  # noqa: E402
-from engine.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput  # noqa: E402
+from protocol import step_types  # noqa: E402
+from protocol.messages import AddRequest, EngineOutputs, RequestOutput, decode, encode  # noqa: E402
 from protocol.sampling_params import SamplingParams  # noqa: E402
+from protocol.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput  # noqa: E402
 from worker import serialization  # noqa: E402
 
 

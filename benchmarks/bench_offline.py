@@ -25,7 +25,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.tiny_model import ensure_default_model
+from worker.models.tiny_model import ensure_default_model
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

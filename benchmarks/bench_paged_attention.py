@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from engine.step_types import NewRequestData, SchedulerOutput
+from protocol.step_types import NewRequestData, SchedulerOutput
 from worker.input_batch import InputBatch
 from worker.layers.attention import PagedAttention
 

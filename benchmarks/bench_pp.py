@@ -19,7 +19,7 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.tiny_model import ensure_default_model
+from worker.models.tiny_model import ensure_default_model
 
 CONFIGS = {"PP=1": dict(), "PP=2": dict(pipeline_parallel_size=2), "TP=2": dict(tensor_parallel_size=2),
            "PP=2 one batch": dict(pipeline_parallel_size=2)}

@@ -32,7 +32,7 @@ Rules:
 - Ratios are redserve / other for every column; for TTFT/TPOT/ITL lower is better, so < 1 favours redserve.
 - A GGUF model (``--model FILE.gguf``, ``--smollm2``): redserve serves the file itself (``--quantization auto``:
   its Q8_0/Q4_0/Q4_1 tensors stay blocks; ``--redserve-args "--quantization none"`` serves the dequantized
-  conversion), llama.cpp serves the file, vLLM the float conversion (``broker/model_source.py``). llama.cpp
+  conversion), llama.cpp serves the file, vLLM the float conversion (``common/model_source.py``). llama.cpp
   needs a GGUF model. ``--smollm2 Q8_0`` is the Q4_1 file requantized (``benchmarks/gguf_requantize.py``).
 - llama.cpp: ``llama-server -m FILE -np SLOTS -c SLOTS*PER_SLOT -t THREADS``: one server for every case, so
   SLOTS is the largest concurrency of the cases, and each slot holds the longest case (PER_SLOT: its input +
@@ -140,17 +140,17 @@ class Model:
 
 
 def resolve_model(args: argparse.Namespace) -> Model:
-    from broker.model_source import is_gguf, resolve_model_dir
+    from common.model_source import convert_in_child, is_gguf, resolve_model_dir
     if args.smollm2:
         path = smollm2_gguf(args.smollm2, args.llamacpp_dir)
     elif args.model:
         path = str(args.model)
     else:
-        from engine.tiny_model import ensure_default_model
+        from worker.models.tiny_model import ensure_default_model
         path = str(ensure_default_model())
     if not is_gguf(path):
         return Model(path, path)
-    return Model(path, resolve_model_dir(path, in_subprocess=True), gguf_weight_type(path))
+    return Model(path, resolve_model_dir(path, convert_in_child), gguf_weight_type(path))
 
 
 def redserve_quantization(redserve_args: str) -> str:

@@ -511,7 +511,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from engine.tiny_model import make_tiny_model
+        from worker.models.tiny_model import make_tiny_model
         model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="redserve-tiny-")) / "tiny-llama", arch="llama",
                                     seed=0, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                     intermediate_size=256, vocab_size=1024))

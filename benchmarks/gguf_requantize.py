@@ -7,7 +7,7 @@ Rules:
 - Step 1 (`dequantize_gguf`): every tensor of SRC is dequantized to F32 with gguf-py and written with SRC's
   metadata unchanged (tokenizer, chat template, hyperparameters), except ``general.file_type`` (ALL_F32).
   This float file is the "float source": the only float weights we hold here are SRC's dequantized values,
-  the same ones redserve's ``--quantization none`` serves (``broker/model_source.py`` converts to them).
+  the same ones redserve's ``--quantization none`` serves (``common/model_source.py`` converts to them).
 - Step 2: llama.cpp's own ``llama-quantize F32.gguf OUT.gguf TYPE`` (built by ``benchmarks/llamacpp_build.py``),
   so the file is exactly what a llama.cpp user would make. Quantizing from the dequantized values gives the
   same blocks as ``llama-quantize --allow-requantize SRC OUT TYPE`` (which dequantizes internally), but

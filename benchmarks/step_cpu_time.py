@@ -61,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import engine
     from engine import LLM
-    from engine.tiny_model import ensure_default_model
+    from worker.models.tiny_model import ensure_default_model
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches),
               quantization=args.quantization, **({"device": args.device} if args.device else {}))

@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     from engine import LLM
-    from engine.tiny_model import ensure_default_model
+    from worker.models.tiny_model import ensure_default_model
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(args.model or ensure_default_model()), dtype=args.dtype, max_num_seqs=max(batches),
               quantization=args.quantization)

@@ -31,9 +31,10 @@ import msgpack
 import redis
 from redis.client import Pipeline
 
-from broker.errors import MessageError
 from broker.keys import RedisKeys
-from broker.messages import (
+from broker.registry import EngineHeartbeat, EngineRegistry, encode_fields
+from protocol.errors import MessageError
+from protocol.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,
@@ -44,7 +45,6 @@ from broker.messages import (
     encode,
     make_error,
 )
-from broker.registry import EngineHeartbeat, EngineRegistry, encode_fields
 
 __all__ = ["EngineHeartbeat", "EngineRegistry", "OutputPublisher", "RequestReader", "STREAM_FIELD"]
 

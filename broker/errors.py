@@ -1,10 +1,9 @@
 """Exceptions raised by the broker package.
 
 Every error a caller is expected to handle derives from `BrokerError`, so the API layer can map
-the whole family to HTTP responses in one place:
+the whole family to HTTP responses in one place. (Bytes that are not a message raise
+`protocol.errors.MessageError`, a ValueError of the codec every tier shares, not one of these.)
 
-- `MessageError`: bytes from Redis that are not a message we understand (garbage, unknown type tag,
-  unsupported version, wrong field types). Receivers catch it, log it and drop the message.
 - `NoEngineAvailable`: no engine is READY with a live heartbeat. API: 503 with Retry-After.
 - `BrokerUnavailable`: Redis cannot be reached (after the connection's own retries) or the client's
   output subscription is not up. API: 503 with Retry-After.
@@ -18,10 +17,6 @@ from __future__ import annotations
 
 class BrokerError(Exception):
     """Base class of every error raised on purpose by `broker`."""
-
-
-class MessageError(BrokerError, ValueError):
-    """Bytes read from Redis are not a valid message (garbage, unknown type or version, bad fields)."""
 
 
 class NoEngineAvailable(BrokerError):

@@ -1,7 +1,7 @@
 """Engine core: scheduler, KV block manager, EngineCore, the engine process and the offline ``LLM``.
 
-``from engine import LLM, SamplingParams`` is the offline API; attributes load lazily so importing a
-submodule (as ``worker`` does for the shared step types) never pulls in the whole engine.
+``from engine import LLM, SamplingParams`` is the offline API; attributes load lazily so importing one
+submodule never pulls in the whole engine.
 """
 
 from typing import Any
@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
         from protocol.sampling_params import SamplingParams
         return SamplingParams
     if name == "EngineConfig":
-        from engine.config import EngineConfig
+        from worker.config import EngineConfig
         return EngineConfig
     if name == "EngineCore":
         from engine.core import EngineCore

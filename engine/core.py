@@ -21,16 +21,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from broker.messages import RequestOutput
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_metrics import StepMetrics
-from engine.step_types import SchedulerOutput
 from engine.structured_output import LLMatcher, StructuredOutputs
+from protocol.messages import RequestOutput
 from protocol.request_ids import sequence_id
 from protocol.sampling_params import SamplingParams
+from protocol.step_types import SchedulerOutput
+from worker.config import EngineConfig
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)

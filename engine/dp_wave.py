@@ -40,8 +40,8 @@ import redis
 from broker.control_state import is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.engine_link import STREAM_FIELD
 from broker.keys import RedisKeys
-from broker.messages import StartWave, encode
-from engine.step_types import SchedulerOutput
+from protocol.messages import StartWave, encode
+from protocol.step_types import SchedulerOutput
 
 if TYPE_CHECKING:
     from worker.executor import Executor

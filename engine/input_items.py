@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from broker.messages import Message
+from protocol.messages import Message
 
 
 @dataclass(frozen=True, slots=True)

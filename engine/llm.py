@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from broker.messages import RequestOutput as EngineOutput
-from engine.config import EngineConfig
 from engine.core import EngineCore
+from protocol.messages import RequestOutput as EngineOutput
 from protocol.sampling_params import SamplingParams
+from worker.config import EngineConfig
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from broker.messages import FinishReason
+from protocol.messages import FinishReason
 from protocol.sampling_params import SamplingParams
 
 

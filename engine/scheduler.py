@@ -31,14 +31,14 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
-from engine.step_types import (
+from engine.structured_output import grammar_finished
+from protocol.step_types import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SampledToken,
     SchedulerOutput,
 )
-from engine.structured_output import grammar_finished
 
 
 @dataclass

@@ -36,7 +36,13 @@ from broker.engine_link import OutputPublisher, RequestReader
 from broker.engine_presence import EnginePresence
 from broker.errors import BrokerUnavailable
 from broker.keys import EngineState, RedisKeys
-from broker.messages import (
+from broker.prefix_index import PrefixIndexWriter
+from broker.registry import EngineHeartbeat, EngineRegistry
+from engine.block_manager import CacheEvents
+from engine.core import EngineCore
+from engine.dp_wave import IDLE_WAIT, DpWaves
+from engine.input_items import ClientGone, Drain, InputItem, Received, Rejoin
+from protocol.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
@@ -47,14 +53,8 @@ from broker.messages import (
     UtilityCall,
     UtilityResult,
 )
-from broker.prefix_index import PrefixIndexWriter
-from broker.registry import EngineHeartbeat, EngineRegistry
-from engine.block_manager import CacheEvents
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.dp_wave import IDLE_WAIT, DpWaves
-from engine.input_items import ClientGone, Drain, InputItem, Received, Rejoin
 from protocol.sampling_params import SamplingParams
+from worker.config import EngineConfig
 from worker.multiproc_executor import WorkerDied
 
 logger = logging.getLogger(__name__)

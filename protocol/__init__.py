@@ -5,6 +5,10 @@ engine -> worker -> protocol; it imports nothing of theirs.
 - ``sampling_params``: ``SamplingParams``, what a request asks of generation, checked once where it is built.
 - ``grammar_spec``: a structured-output spec as it travels in the sampling parameters, turned into an
   llguidance grammar, and why one cannot compile (the API's 400, the engine's matcher).
+- ``wire_schema``: ``@wire``, a dataclass declared once as a wire type gets its msgpack codec and checks.
+- ``messages``: every message that crosses Redis between the API's broker client and the engines.
+- ``step_types``: what the scheduler sends its workers each step and what they send back.
+- ``errors``: ``MessageError``, what decoding bytes that are not a message raises.
 - ``prefix_hash``: the chained hashes of a prompt's full KV blocks, the same in the API's cache-aware router
   and the engine's prefix cache.
 """

@@ -54,7 +54,7 @@ def _add_redis_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from engine.config import EngineConfig
+    from worker.config import EngineConfig
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -131,7 +131,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_model import run_from_args
+    from worker.models.tiny_model import run_from_args
     return run_from_args(args)
 
 
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF model directory")
-    from engine.tiny_model import add_arguments
+    from worker.models.tiny_model import add_arguments
     add_arguments(p)
     p.set_defaults(func=cmd_make_tiny_model)
 

@@ -26,7 +26,7 @@ def resolve_model(args: argparse.Namespace) -> None:
         check_model_path(args)
         _convert_gguf(args)
     else:
-        from engine.tiny_model import default_model_dir, ensure_default_model
+        from worker.models.tiny_model import default_model_dir, ensure_default_model
         logging.getLogger("redserve").warning(
             "no --model given: serving the tiny test model (random weights) at %s", default_model_dir())
         args.model = str(ensure_default_model())
@@ -34,7 +34,7 @@ def resolve_model(args: argparse.Namespace) -> None:
 
 def check_model_path(args: argparse.Namespace) -> None:
     """Exit with one line (no traceback) when ``--model`` is neither a directory nor a ``.gguf`` file."""
-    from broker.model_source import is_gguf
+    from common.model_source import is_gguf
     if args.model is None:
         return
     if is_gguf(args.model) and not os.path.isfile(args.model):
@@ -44,9 +44,9 @@ def check_model_path(args: argparse.Namespace) -> None:
 
 
 def _convert_gguf(args: argparse.Namespace) -> None:
-    from broker.model_source import is_gguf, resolve_model_dir
+    from common.model_source import convert_in_child, is_gguf, resolve_model_dir
     if is_gguf(args.model):
         try:
-            resolve_model_dir(args.model, in_subprocess=True)
+            resolve_model_dir(args.model, convert_in_child)
         except ValueError as e:
             sys.exit(f"redserve {args.command}: {e}")

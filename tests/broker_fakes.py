@@ -18,7 +18,7 @@ from broker.client import BrokerClient
 from broker.connection import connect
 from broker.engine_link import EngineHeartbeat, EngineRegistry, OutputPublisher, RequestReader
 from broker.engine_presence import EnginePresence
-from broker.messages import (
+from protocol.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,

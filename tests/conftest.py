@@ -101,7 +101,7 @@ TINY_MODEL_SIZES = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", arch="llama", seed=0,
                                **TINY_MODEL_SIZES))
@@ -109,7 +109,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2", seed=1,
                                **TINY_MODEL_SIZES))

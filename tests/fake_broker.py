@@ -18,7 +18,7 @@ from api.config import ApiConfig
 from api.state import ApiState
 from api.tokenizer import ModelTokenizer
 from broker.errors import NoEngineAvailable
-from broker.messages import AddRequest, RequestOutput
+from protocol.messages import AddRequest, RequestOutput
 
 Script = Callable[[AddRequest], list[RequestOutput | None]]
 

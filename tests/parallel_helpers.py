@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from broker.client import BrokerClient
-from broker.messages import AddRequest
+from protocol.messages import AddRequest
 from protocol.sampling_params import SamplingParams
 
 

@@ -16,7 +16,7 @@ from api.app import sse_body
 from api.errors import ApiError, sse_error
 from api.generation import ClientDisconnected, Generation, GenerationError
 from api.tokenizer import ModelTokenizer
-from broker.messages import AddRequest, ErrorCode, RequestOutput
+from protocol.messages import AddRequest, ErrorCode, RequestOutput
 from protocol.sampling_params import SamplingParams
 
 TEXT = "Hello world, this is a test. STOP here and more text follows"

@@ -18,7 +18,7 @@ from fake_broker import FakeClient, make_app, sse_events
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from broker.messages import AddRequest, RequestOutput
+from protocol.messages import AddRequest, RequestOutput
 
 HUGE = [2**63, 2**63 - 1, -(2**63) - 1, 2**64, 10**30, -1, 0, 1, 128, 129, 2048, 4096]
 SURROGATES = st.sampled_from(["\ud800", "a\udfff b", "\udbff\udc00"])  # JSON escapes: lone ones (400), a pair

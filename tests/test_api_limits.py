@@ -26,8 +26,8 @@ from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
 from broker.errors import EngineOverloaded
 from broker.keys import RedisKeys
-from broker.messages import AbortRequests, AddRequest, RequestOutput, decode
 from broker.registry import EngineHeartbeat, EngineRegistry
+from protocol.messages import AbortRequests, AddRequest, RequestOutput, decode
 from protocol.sampling_params import API_ONLY_FIELDS, MAX_STOP_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 USER = [{"role": "user", "content": "hi"}]

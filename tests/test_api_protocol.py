@@ -8,7 +8,7 @@ import pytest
 
 from api.errors import ApiError, engine_error
 from api.protocol import fit_to_context, parse_chat_request, parse_completion_request
-from broker.messages import ErrorCode
+from protocol.messages import ErrorCode
 from protocol.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -26,7 +26,7 @@ from api.config import ApiConfig
 from api.log_safety import printable
 from api.state import ApiState
 from api.tokenizer import ModelTokenizer
-from engine.tiny_model import CHAT_TEMPLATE
+from worker.models.tiny_model import CHAT_TEMPLATE
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

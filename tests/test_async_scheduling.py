@@ -14,12 +14,12 @@ import torch
 
 from engine import LLM
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_types import ModelRunnerOutput, SampledToken
-from engine.tiny_model import ensure_default_model
 from protocol.sampling_params import SamplingParams
+from protocol.step_types import ModelRunnerOutput, SampledToken
+from worker.config import EngineConfig
+from worker.models.tiny_model import ensure_default_model
 
 BS = 4
 EOS = 1

@@ -16,7 +16,7 @@ from broker.connection import connect
 from broker.engine_link import EngineHeartbeat
 from broker.errors import NoEngineAvailable, UtilityError
 from broker.load_balance import EngineLoad, write_lb_snapshot
-from broker.messages import FinishReason
+from protocol.messages import FinishReason
 
 # --------------------------------------------------------------------------- happy paths
 

@@ -12,7 +12,7 @@ from broker_fakes import add, cluster, collect, fake_ready_engine  # noqa: F401 
 from stack_procs import poll
 
 from broker.connection import connect
-from broker.messages import EngineOutputs, ErrorCode, FinishReason, RequestOutput, encode
+from protocol.messages import EngineOutputs, ErrorCode, FinishReason, RequestOutput, encode
 
 # --------------------------------------------------------------------------- failures
 

@@ -13,7 +13,7 @@ from stack_procs import poll
 
 from broker.engine_presence import EnginePresence
 from broker.errors import NoEngineAvailable
-from broker.messages import (
+from protocol.messages import (
     EngineOutputs,
     ErrorCode,
     FinishReason,

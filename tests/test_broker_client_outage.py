@@ -11,7 +11,7 @@ from stack_procs import poll
 
 from broker.client import BrokerClient
 from broker.errors import BrokerUnavailable
-from broker.messages import ErrorCode
+from protocol.messages import ErrorCode
 from redserve.redis_server import EmbeddedRedis
 
 
@@ -75,7 +75,7 @@ def test_no_presence_verdict_while_engines_resubscribe_after_an_outage():
     from broker.client.mailbox import Mailbox
     from broker.client.sender import Sender
     from broker.keys import RedisKeys
-    from broker.messages import AddRequest
+    from protocol.messages import AddRequest
 
     class NoSubscribers:
         def pubsub_numsub(self, *channels):

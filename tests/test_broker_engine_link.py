@@ -7,7 +7,7 @@ import redis
 from broker.connection import connect
 from broker.engine_link import STREAM_FIELD, EngineHeartbeat, EngineRegistry, OutputPublisher, RequestReader
 from broker.keys import EngineState
-from broker.messages import (
+from protocol.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,

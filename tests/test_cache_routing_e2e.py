@@ -15,9 +15,9 @@ from broker.client import BrokerClient
 from broker.connection import connect
 from broker.keys import RedisKeys
 from broker.load_balance import RoutingConfig
-from broker.messages import AddRequest
 from broker.prefix_index import read_routing_counts
 from broker.registry import EngineRegistry
+from protocol.messages import AddRequest
 from protocol.prefix_hash import block_hashes
 from protocol.sampling_params import SamplingParams
 

@@ -193,7 +193,7 @@ def test_engines_keep_the_cpu_kernels_in_a_volume() -> None:
 
 
 def test_every_service_shares_one_converted_model_cache() -> None:
-    """A GGUF --model is converted once (broker.model_source: a file lock, then an atomic rename) into the
+    """A GGUF --model is converted once (common.model_source: a file lock, then an atomic rename) into the
     named volume at the image's REDSERVE_CACHE_DIR, which the API, the engines and the batch worker all
     mount, instead of once into each container's own home."""
     compose = load(COMPOSE)

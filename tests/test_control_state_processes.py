@@ -30,7 +30,7 @@ from broker.client import BrokerClient
 from broker.engine_link import STREAM_FIELD, RequestReader
 from broker.keys import RedisKeys
 from broker.load_balance import read_lb_snapshot
-from broker.messages import AddRequest, EngineOutputs, MessageError, RequestOutput, decode, encode
+from protocol.messages import AddRequest, EngineOutputs, MessageError, RequestOutput, decode, encode
 from redserve.redis_server import EmbeddedRedis
 
 # ----------------------------------------------------------------------------------------- coordinator

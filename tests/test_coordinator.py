@@ -15,12 +15,12 @@ from stack_procs import poll, quiet_cli
 from broker.engine_link import RequestReader
 from broker.keys import EngineState
 from broker.load_balance import EngineLoad, read_lb_snapshot
-from broker.messages import AddRequest, StartWave, decode
 from broker.registry import EngineRegistry
 from coordinator.leader_lock import LeaderLock
 from coordinator.process import Coordinator, CoordinatorConfig
 from coordinator.rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
 from engine.dp_wave import DpWaves
+from protocol.messages import AddRequest, StartWave, decode
 
 
 def report(engine_id: str = "0", state: str = "ready", alive: bool = True, waiting: int = 0, running: int = 0,
@@ -274,7 +274,7 @@ def test_coordinator_declares_a_silent_engine_dead_without_resending_its_request
     FakeEngine(redis_client, redis_keys, "0")
     FakeEngine(redis_client, redis_keys, "1")
     add = AddRequest("r1", "client", [1, 2, 3], {"max_tokens": 4}, time.time())
-    from broker.messages import encode
+    from protocol.messages import encode
     redis_client.xadd(redis_keys.request_stream("1"), {b"m": encode(add)})
     c = _coordinator(redis_client, redis_keys)
     c.step()

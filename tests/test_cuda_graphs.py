@@ -15,9 +15,9 @@ from triton_interpret import load
 
 kernels, DEVICE, INTERPRETED = load("triton_attention")
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from protocol.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker import cuda_graphs  # noqa: E402
+from worker.config import EngineConfig  # noqa: E402
 from worker.cuda_graphs import CudaGraph, EagerGraph, capture_sizes, graphs_off_reason  # noqa: E402
 from worker.layers.attention import UnifiedBatch  # noqa: E402
 
@@ -44,7 +44,7 @@ def tp1():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path_factory.mktemp("graphs") / "tiny-llama", arch="llama", seed=3,
                                hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,

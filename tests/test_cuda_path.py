@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.tiny_model import tiny_config
+from worker.config import EngineConfig
 from worker.device_memory import MemorySnapshot, kv_cache_budget
 from worker.layers.rotary import RotaryEmbedding
 from worker.model_loader import ARCHITECTURES
 from worker.model_runner import ModelRunner
+from worker.models.tiny_model import tiny_config
 from worker.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 
 GiB = 1 << 30

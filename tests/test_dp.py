@@ -19,8 +19,8 @@ from stack_procs import poll, quiet_cli
 from broker.client import BrokerClient
 from broker.connection import connect
 from broker.keys import RedisKeys
-from broker.messages import AddRequest, ErrorCode, FinishReason
 from broker.registry import EngineRegistry
+from protocol.messages import AddRequest, ErrorCode, FinishReason
 from protocol.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(32 << 20), "--max-num-seqs", "4",

@@ -15,7 +15,7 @@ from stack_procs import Procs, engine_ready, process_tree, quiet_cli, title, wai
 import redserve.devices
 from broker.client import BrokerClient
 from broker.keys import RedisKeys
-from broker.messages import AddRequest
+from protocol.messages import AddRequest
 from protocol.sampling_params import SamplingParams
 from redserve.cli import build_parser
 from redserve.devices import engine_cuda_devices, engine_device_env

@@ -1,4 +1,4 @@
-"""``--dtype auto`` and forced dtypes (engine.dtype_choice): the rule on made-up CPUs and GPUs, then the
+"""``--dtype auto`` and forced dtypes (worker.dtype_choice): the rule on made-up CPUs and GPUs, then the
 one log line at start (and the one warning for a dtype the CPU cannot compute) through a real engine."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from engine import dtype_choice
-from engine.dtype_choice import choose_dtype
+from worker import dtype_choice
+from worker.dtype_choice import choose_dtype
 
 AMX = frozenset({"avx512f", "amx_tile", "amx_bf16", "avx512_bf16", "avx512_fp16"})
 AVX2 = frozenset({"avx", "avx2", "fma"})

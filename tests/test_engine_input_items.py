@@ -16,7 +16,10 @@ from stack_procs import poll
 
 from broker.engine_link import STREAM_FIELD
 from broker.keys import EngineState
-from broker.messages import (
+from engine.core import EngineCore
+from engine.input_items import ClientGone, Drain, Received, Rejoin
+from engine.server import EngineServer, StepBatch
+from protocol.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
@@ -27,10 +30,7 @@ from broker.messages import (
     UtilityCall,
     encode,
 )
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.input_items import ClientGone, Drain, Received, Rejoin
-from engine.server import EngineServer, StepBatch
+from worker.config import EngineConfig
 
 CLIENT = "c1"
 PARAMS = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}

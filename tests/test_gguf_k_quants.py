@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from k_quant_blocks import requantize_gguf
 from test_smollm2 import AGREEMENT_PROMPTS, AGREEMENT_TOKENS
 
-from engine.config import EngineConfig
+from worker.config import EngineConfig
 from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight, dequantize
 from worker.model_loader import build_model, load_config
 

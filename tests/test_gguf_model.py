@@ -1,4 +1,4 @@
-"""GGUF model resolution (broker.model_source) without real weights: checks, cache naming, locking.
+"""GGUF model resolution (common.model_source) without real weights: checks, cache naming, locking.
 
 The real-weight path (SmolLM2 GGUF converted, served and compared with transformers) is tests/test_smollm2.py.
 """
@@ -15,8 +15,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from broker import model_source  # noqa: E402
-from broker.model_source import gguf_cache_dir, resolve_model_dir  # noqa: E402
+from common.model_source import convert_in_child, gguf_cache_dir, resolve_model_dir  # noqa: E402
 
 
 def write_gguf(path: Path, arch: str, tensor_type: str = "F32", without: str | None = None) -> str:
@@ -48,44 +47,45 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
 
 
 def fake_convert(calls: list, delay: float = 0.0):
-    def convert(model: str, out: Path, architecture: str, in_subprocess: bool) -> None:
-        tmp = out.parent / f".{out.name}.tmp-fake"
-        tmp.mkdir()
+    def convert(model: str, out_dir: Path, architecture: str) -> None:
         calls.append(architecture)
         time.sleep(delay)  # widen the race window; correctness never depends on it
         for name in ("config.json", "tokenizer.json"):
-            (tmp / name).write_text("{}")
-        tmp.rename(out)
+            (out_dir / name).write_text("{}")
     return convert
 
 
+def never_convert(model: str, out_dir: Path, architecture: str) -> None:
+    raise AssertionError(f"{model} was converted; the checks should have refused it first")
+
+
 def test_a_directory_is_used_as_is(tmp_path) -> None:
-    assert resolve_model_dir(str(tmp_path)) == str(tmp_path)
+    assert resolve_model_dir(str(tmp_path), never_convert) == str(tmp_path)
 
 
 def test_a_missing_gguf_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="GGUF file not found"):
-        resolve_model_dir(str(tmp_path / "absent.gguf"))
+        resolve_model_dir(str(tmp_path / "absent.gguf"), never_convert)
 
 
 def test_unsupported_architecture_names_what_was_found_and_what_is_supported(tmp_path, cache_dir) -> None:
     path = write_gguf(tmp_path / "m.gguf", "gpt2")
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'.*supported: \['llama'"):
-        resolve_model_dir(path)
+        resolve_model_dir(path, never_convert)
     assert not cache_dir.exists() or not any(cache_dir.iterdir())
 
 
 def test_unsupported_quantization_names_what_was_found_and_what_is_supported(tmp_path, cache_dir) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama", "IQ2_XXS")
     with pytest.raises(ValueError, match=r"unsupported GGUF tensor types \['IQ2_XXS'\].*supported: .*'Q4_1'"):
-        resolve_model_dir(path)
+        resolve_model_dir(path, never_convert)
 
 
 @pytest.mark.parametrize("key", ["block_count", "embedding_length", "attention.head_count"])
 def test_missing_shape_metadata_is_refused_before_converting(tmp_path, cache_dir, key) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama", without=key)
     with pytest.raises(ValueError, match=rf"lacks the model shape metadata \['llama\.{key}'\]"):
-        resolve_model_dir(path)
+        resolve_model_dir(path, never_convert)
 
 
 def test_the_cache_directory_is_named_by_stem_and_content(tmp_path, cache_dir) -> None:
@@ -96,12 +96,12 @@ def test_the_cache_directory_is_named_by_stem_and_content(tmp_path, cache_dir) -
     assert gguf_cache_dir(a) != first
 
 
-def test_concurrent_resolves_convert_once_and_agree(tmp_path, cache_dir, monkeypatch) -> None:
+def test_concurrent_resolves_convert_once_and_agree(tmp_path, cache_dir) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama")
     calls: list[str] = []
-    monkeypatch.setattr(model_source, "_convert", fake_convert(calls, delay=0.5))
+    convert = fake_convert(calls, delay=0.5)
     results: list[str] = []
-    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(path))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(path, convert))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -110,27 +110,27 @@ def test_concurrent_resolves_convert_once_and_agree(tmp_path, cache_dir, monkeyp
     assert len(set(results)) == 1 and (Path(results[0]) / "config.json").is_file()
 
 
-def test_a_killed_conversion_leaves_no_target_and_is_cleaned_up(tmp_path, cache_dir, monkeypatch) -> None:
+def test_a_killed_conversion_leaves_no_target_and_is_cleaned_up(tmp_path, cache_dir) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama")
 
-    def crash(model, out, architecture, in_subprocess):
-        (out.parent / f".{out.name}.tmp-crashed").mkdir()
+    target = gguf_cache_dir(path)
+
+    def crash(model: str, out_dir: Path, architecture: str) -> None:
+        (target.parent / f".{target.name}.tmp-crashed").mkdir()  # as a SIGKILL mid-conversion would leave it
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(model_source, "_convert", crash)
     with pytest.raises(RuntimeError):
-        resolve_model_dir(path)
-    assert not gguf_cache_dir(path).exists()
+        resolve_model_dir(path, crash)
+    assert not target.exists()
     calls: list[str] = []
-    monkeypatch.setattr(model_source, "_convert", fake_convert(calls))
-    assert resolve_model_dir(path) == str(gguf_cache_dir(path))
+    assert resolve_model_dir(path, fake_convert(calls)) == str(target)
     assert not list(cache_dir.glob(".*.tmp-*"))
 
 
 def test_a_failed_subprocess_conversion_reports_its_error(tmp_path, cache_dir) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama")  # no tokenizer in it: the conversion fails
     with pytest.raises(ValueError, match="converting .* failed: .+"):
-        resolve_model_dir(path, in_subprocess=True)
+        resolve_model_dir(path, convert_in_child)
     assert not gguf_cache_dir(path).exists() and not list(cache_dir.glob(".*.tmp-*"))
 
 
@@ -138,8 +138,8 @@ def test_resolving_is_torch_free(tmp_path, cache_dir) -> None:
     import subprocess
 
     path = write_gguf(tmp_path / "m.gguf", "gpt2")
-    code = ("import sys\nfrom broker.model_source import resolve_model_dir\n"
-            f"try:\n    resolve_model_dir({path!r})\nexcept ValueError:\n    pass\n"
+    code = ("import sys\nfrom common.model_source import convert_in_child, resolve_model_dir\n"
+            f"try:\n    resolve_model_dir({path!r}, convert_in_child)\nexcept ValueError:\n    pass\n"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

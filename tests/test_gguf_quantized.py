@@ -15,8 +15,8 @@ import torch
 from engine_helpers import greedy, make_llm, smollm2_gguf_file
 from test_quant_gemm import error_bound
 
-from engine.config import EngineConfig
 from worker import parallel_state
+from worker.config import EngineConfig
 from worker.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,

@@ -13,7 +13,7 @@ import pytest
 from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.client.request_resume import resume_blocker
-from broker.messages import (
+from protocol.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,

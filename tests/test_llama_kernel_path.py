@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_helpers import LogitsRecorder, greedy, make_llm, random_prompt, smollm2_gguf_file, token_ids
 
-import engine.tiny_model as tm
+import worker.models.tiny_model as tm
 
 SIZES = dict(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=1024,
              max_position_embeddings=256)

@@ -18,8 +18,8 @@ from engine_helpers import BLOCK, PROMPTS, greedy, make_llm, random_prompt
 from stack_procs import wait_for
 
 from api.metrics import MIGRATION_REASONS, EngineStatsCollector, engine_histograms
-from broker.messages import ErrorCode, FinishReason
 from engine.step_metrics import ITERATION_TOKENS, StepMetrics
+from protocol.messages import ErrorCode, FinishReason
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "monitoring" / "grafana" / "redserve-dashboard.json"
 _NAME = re.compile(r"\bredserve[:_][A-Za-z0-9_:]*")

@@ -24,7 +24,7 @@ from engine_helpers import (
     token_ids,
 )
 
-import engine.tiny_model as tm
+import worker.models.tiny_model as tm
 from worker.model_loader import ModelLoadError
 
 WINDOW = 20

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.step_types import NewRequestData, SchedulerOutput
+from protocol.step_types import NewRequestData, SchedulerOutput
 from worker.input_batch import InputBatch
 from worker.kernels import build
 from worker.layers.attention import PagedAttention, paged_attention_kernel, write_kv

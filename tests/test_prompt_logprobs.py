@@ -15,9 +15,14 @@ import requests
 import torch
 from engine_helpers import hf_model, make_llm, random_prompt
 
-from broker.messages import EngineOutputs, RequestOutput, decode, encode
 from engine import SamplingParams
-from engine.step_types import ModelRunnerOutput, SampledToken, runner_output_from_wire, runner_output_to_wire
+from protocol.messages import EngineOutputs, RequestOutput, decode, encode
+from protocol.step_types import (
+    ModelRunnerOutput,
+    SampledToken,
+    runner_output_from_wire,
+    runner_output_to_wire,
+)
 
 TOL = 1e-4
 PROMPT = random_prompt(40, seed=7)

@@ -13,7 +13,7 @@ from broker.client.request_resume import (
     continuation_seed,
     resume_blocker,
 )
-from broker.messages import AddRequest
+from protocol.messages import AddRequest
 from protocol.sampling_params import SamplingParams
 
 

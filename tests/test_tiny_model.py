@@ -1,4 +1,4 @@
-"""Tests for engine.tiny_model: the seeded random-weight HF model directory generator."""
+"""Tests for worker.models.tiny_model: the seeded random-weight HF model directory generator."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-import engine.tiny_model as tm
+import worker.models.tiny_model as tm
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512)
 FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",

@@ -17,7 +17,7 @@ from triton_interpret import load
 
 kernels, DEVICE, INTERPRETED = load("triton_attention")
 
-from engine.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from protocol.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker.input_batch import InputBatch  # noqa: E402
 from worker.layers import attention  # noqa: E402
 from worker.layers.attention import PagedAttention  # noqa: E402
@@ -289,7 +289,7 @@ def tp1():
 
 @pytest.fixture
 def tiny_gemma2_dir(tmp_path) -> str:
-    from engine.tiny_model import make_tiny_model
+    from worker.models.tiny_model import make_tiny_model
 
     return str(make_tiny_model(tmp_path / "tiny-gemma2", arch="gemma2", seed=2, hidden_size=64, num_layers=2,
                                num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512,
@@ -299,7 +299,7 @@ def tiny_gemma2_dir(tmp_path) -> str:
 def run_two_steps(model: str, use_triton: bool) -> list[torch.Tensor]:
     """Two steps of one runner, each step's logits over every row: a fresh prompt and the first chunk of
     another, then a decode, that prompt's second chunk, a new prompt and a prefix hit on the first."""
-    from engine.config import EngineConfig
+    from worker.config import EngineConfig
     from worker.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=model, dtype="float32", device="cpu", max_model_len=256))

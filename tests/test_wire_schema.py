@@ -14,10 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker import messages
-from broker.errors import MessageError
-from broker.wire_schema import wire
-from engine import step_types
+from protocol import messages, step_types
+from protocol.errors import MessageError
+from protocol.wire_schema import wire
 from worker import serialization
 
 MESSAGES = [messages.AddRequest, messages.AbortRequests, messages.UtilityCall, messages.StartWave,

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.config import EngineConfig
-from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from protocol.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.config import EngineConfig
 from worker.model_runner import ModelRunner, PendingStep
 from worker.parallel_state import init_tensor_parallel
 

@@ -1,4 +1,4 @@
-"""Convert a GGUF file into a Hugging Face directory our loader reads (see ``broker.model_source``).
+"""Convert a GGUF file into a Hugging Face directory our loader reads (see ``common.model_source``).
 
 Rules:
 - transformers reads the GGUF (``from_pretrained(dir, gguf_file=name)``) and dequantizes every tensor
@@ -7,7 +7,8 @@ Rules:
   ``architectures`` and ``dtype`` set, generation_config.json, and the tokenizer files with the chat
   template from the file.
 - ``python -m worker.gguf_model GGUF OUT_DIR ARCHITECTURE`` does the same in a child process (the
-  torch-free API converts this way); errors go to stderr with exit code 1.
+  torch-free API converts this way, ``common.model_source.convert_in_child``); errors go to stderr
+  with exit code 1.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Serve a GGUF file's quantized tensors as their blocks: swap a built model's projections, embedding and LM
 head for quantized ones and fill them straight from the file (``--quantization gguf``, the default for a
-GGUF on the CPU; ``engine.config``).
+GGUF on the CPU; ``worker.config``).
 
 Rules:
 - A layer is served quantized when every checkpoint tensor it holds is one `BlockFormat` in the file

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.step_types import SchedulerOutput
 from protocol.sampling_params import SamplingParams
+from protocol.step_types import SchedulerOutput
 from worker.layers import attention
 from worker.layers.attention import AttentionMetadata, PagedBatch, PrefillChunk, paged_attention_kernel
 from worker.sampler import SampledBatch, SamplingBatch

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
-from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from protocol.step_types import ModelRunnerOutput, SchedulerOutput
+from worker.config import EngineConfig
 from worker.cuda_graphs import CudaGraph, GraphRunner, capture_sizes, graphs_off_reason
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
 from worker.input_batch import PLACEHOLDER_TOKEN, InputBatch, PendingToken, PromptLogprobRows
@@ -121,7 +121,7 @@ class ModelRunner:
         return budget
 
     def profile_run(self, num_tokens: int) -> None:
-        from engine.step_types import NewRequestData
+        from protocol.step_types import NewRequestData
         blocks = list(range(-(-num_tokens // self.config.block_size)))
         req = NewRequestData("__profile__", [0] * num_tokens, [], {"max_tokens": 1}, blocks, 0)
         self.execute_model(SchedulerOutput(new_requests=[req], num_scheduled_tokens={"__profile__": num_tokens}))

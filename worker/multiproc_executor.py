@@ -37,13 +37,13 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.step_types import (
+from protocol.step_types import (
     ModelRunnerOutput,
     SchedulerOutput,
     runner_output_from_wire,
     scheduler_output_to_wire,
 )
+from worker.config import EngineConfig
 from worker.remote_stages import RemoteStages, WorkerRendezvous
 from worker.serialization import encode
 from worker.shm_queue import MessageQueue, QueueClosed

@@ -38,8 +38,8 @@ import redis
 
 from broker.connection import connect, redis_address
 from broker.keys import RedisKeys
-from engine.config import EngineConfig
 from worker import redis_store
+from worker.config import EngineConfig
 from worker.remote_link import (
     CONTROL,
     HEARTBEAT,

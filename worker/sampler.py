@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.step_types import SampledToken
+from protocol.step_types import SampledToken
 from worker.layers.fused_ops import fused_ops_for
 from worker.transfer import HostCopy, to_device
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from common.proctitle import set_title
-from engine.config import EngineConfig
-from engine.step_types import runner_output_to_wire, scheduler_output_from_wire
+from protocol.step_types import runner_output_to_wire, scheduler_output_from_wire
+from worker.config import EngineConfig
 from worker.model_runner import ModelRunner
 from worker.parallel_state import destroy_tensor_parallel, init_model_parallel
 from worker.shm_queue import MessageQueue, QueueClosed, QueueHandle

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from broker.model_source import resolve_model_dir
+from common.model_source import convert_in_child, resolve_model_dir
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -126,7 +126,7 @@ def _worker(args: argparse.Namespace, settings) -> int:
 
     try:
         settings.api_config()
-        if not os.path.isfile(os.path.join(resolve_model_dir(settings.model, in_subprocess=True), "tokenizer.json")):
+        if not os.path.isfile(os.path.join(resolve_model_dir(settings.model, convert_in_child), "tokenizer.json")):
             raise ValueError(f"{settings.model} has no tokenizer.json: the batch worker needs its tokenizer")
     except ValueError as e:
         print(f"redserve batch worker: {e}", file=sys.stderr)

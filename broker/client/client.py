@@ -78,9 +78,9 @@ from broker.engine_link import STREAM_FIELD
 from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable, UtilityError
 from broker.keys import EngineState, RedisKeys, check_id
 from broker.load_balance import EngineSelector, read_lb_snapshot
-from broker.messages import AddRequest, UtilityCall, UtilityResult, encode
 from broker.prefix_index import PrefixIndexReader, RoutingCounter
 from broker.registry import EngineRegistry
+from protocol.messages import AddRequest, UtilityCall, UtilityResult, encode
 
 logger = logging.getLogger(__name__)
 

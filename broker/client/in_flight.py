@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 from broker.client.mailbox import Mailbox
 from broker.client.request_resume import continuation_adds
-from broker.messages import (
+from protocol.messages import (
     AddRequest,
     EngineOutputs,
     ErrorCode,

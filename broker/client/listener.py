@@ -23,7 +23,7 @@ from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.connection import connect, is_sentinel_url
 from broker.log_limits import warn_every
-from broker.messages import EngineOutputs, MessageError, decode
+from protocol.messages import EngineOutputs, MessageError, decode
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from broker.errors import NoEngineAvailable
 from broker.keys import RedisKeys
 from broker.load_balance import EngineSelector
 from broker.log_limits import warn_every
-from broker.messages import ErrorCode, encode
+from protocol.messages import ErrorCode, encode
 
 logger = logging.getLogger(__name__)
 

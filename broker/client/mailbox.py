@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
-from broker.messages import AddRequest
+from protocol.messages import AddRequest
 
 
 @dataclass(eq=False)

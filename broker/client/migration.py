@@ -33,7 +33,7 @@ from broker.client.request_resume import resume_blocker
 from broker.client.sender import Sender
 from broker.errors import NoEngineAvailable
 from broker.load_balance import EngineSelector
-from broker.messages import ErrorCode
+from protocol.messages import ErrorCode
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.client.sender import Sender
-from broker.messages import RequestOutput
+from protocol.messages import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from broker.messages import AddRequest
+from protocol.messages import AddRequest
 from protocol.request_ids import continuation_id
 from protocol.sampling_params import SamplingParams
 

@@ -17,7 +17,7 @@ import redis
 from broker.client.in_flight import InFlightTable
 from broker.engine_link import STREAM_FIELD
 from broker.keys import RedisKeys
-from broker.messages import AbortRequests, AddRequest, encode
+from protocol.messages import AbortRequests, AddRequest, encode
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,9 @@
-"""One config dataclass for an engine; checked in ``__post_init__``, derived values as properties."""
+"""One config dataclass for an engine; checked in ``__post_init__``, derived values as properties.
+
+It lives in worker/ because the workers are built from it (it travels to each TP/PP worker process); the
+engine imports it from here, and worker/ imports nothing of engine/. A GGUF ``model`` is converted here, in
+this process (it has torch), by ``worker.gguf_model.convert_gguf`` (``common.model_source``).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from broker.model_source import is_gguf, resolve_model_dir
-from engine.dtype_choice import DtypeChoice, choose_dtype
+from common.model_source import is_gguf, resolve_model_dir
+from worker.dtype_choice import DtypeChoice, choose_dtype
+from worker.gguf_model import convert_gguf
 
 _DTYPES = {
     "float32": torch.float32,
@@ -27,7 +33,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 class EngineConfig:
     """Everything an engine (and its workers) needs to know to run one model.
 
-    ``model`` is an HF directory or a GGUF file (converted once, see ``broker.model_source``).
+    ``model`` is an HF directory or a GGUF file (converted once, see ``common.model_source``).
     ``max_model_len`` None means the model's ``max_position_embeddings``. ``kv_cache_memory`` is the KV
     budget in bytes on CPU (default 1 GiB, or ``REDSERVE_CPU_KV_CACHE_BYTES``); on CUDA the budget is
     ``gpu_memory_utilization`` of the device minus what the weights and activations take.
@@ -65,7 +71,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if is_gguf(self.model):
             self.gguf_file = os.path.abspath(self.model)
-        self.model = resolve_model_dir(self.model)  # a GGUF file: its converted HF directory (cached)
+        self.model = resolve_model_dir(self.model, convert_gguf)  # a GGUF file: its converted HF dir (cached)
         path = Path(self.model)
         if not path.is_dir():
             raise ValueError(f"model directory not found: {self.model}")
@@ -135,7 +141,7 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def dtype_choice(self, config_dtype: torch.dtype | str | None) -> DtypeChoice:
-        """The dtype to run in and why (the rule: ``engine.dtype_choice``); ``config_dtype`` is the
+        """The dtype to run in and why (the rule: ``worker.dtype_choice``); ``config_dtype`` is the
         checkpoint's (float32 if it names none)."""
         if isinstance(config_dtype, torch.dtype):
             checkpoint = config_dtype

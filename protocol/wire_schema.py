@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from broker.errors import MessageError
+from protocol.errors import MessageError
 
 __all__ = ["WireSpec", "wire"]
 

@@ -4,7 +4,7 @@ import time
 import msgpack
 import pytest
 
-from broker.messages import (
+from protocol.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,

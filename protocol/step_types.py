@@ -2,7 +2,7 @@
 
 A new request travels in full once (``NewRequestData``); after that a step carries only small diffs
 (``CachedRequestData``: new block ids, computed-token count). Each type is declared once as a wire
-record (``broker.wire_schema``): the multiproc executor ships it over the shm queue as a msgpack array
+record (``protocol.wire_schema``): the multiproc executor ships it over the shm queue as a msgpack array
 in field order, trailing defaults left out. The peers are the engine and its own TP workers, so
 decoding unpacks by position without type checks (``trusted=True``), as fast as the hand-written code was.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.wire_schema import wire
+from protocol.wire_schema import wire
 
 _record = wire(array=True, trusted=True)
 
@@ -83,7 +83,7 @@ def scheduler_output_to_wire(sched: SchedulerOutput) -> list[Any]:
 
 
 def scheduler_output_from_wire(data: Any) -> SchedulerOutput:
-    """Raises broker.errors.MessageError if ``data`` is not a scheduler output."""
+    """Raises protocol.errors.MessageError if ``data`` is not a scheduler output."""
     return SchedulerOutput.from_wire(data)
 
 
@@ -92,5 +92,5 @@ def runner_output_to_wire(out: ModelRunnerOutput) -> list[Any]:
 
 
 def runner_output_from_wire(data: Any) -> ModelRunnerOutput:
-    """Raises broker.errors.MessageError if ``data`` is not a model runner output."""
+    """Raises protocol.errors.MessageError if ``data`` is not a model runner output."""
     return ModelRunnerOutput.from_wire(data)

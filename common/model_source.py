@@ -1,5 +1,6 @@
 """Where a ``--model`` path's Hugging Face directory is: a directory is used as is, a GGUF file is
-converted once into an HF directory cached on disk. Torch-free (the API imports it).
+converted once into an HF directory cached on disk. Torch-free, and a leaf like the rest of ``common/``:
+the converter is the caller's to pass in.
 
 Rules:
 - The cache of a GGUF file is ``$REDSERVE_CACHE_DIR/gguf/<stem>-<sha256 of the file, 16 hex>/``
@@ -14,8 +15,11 @@ Rules:
 - `check_gguf` reads only the GGUF header (gguf-py, numpy): an architecture outside `GGUF_ARCHITECTURES`
   or a tensor type outside `GGUF_TENSOR_TYPES`, or missing shape metadata (`GGUF_REQUIRED_KEYS`), is a
   `ValueError` naming what was found and what is supported, before any conversion starts.
-- The conversion needs torch (``worker.gguf_model``): `resolve_model_dir` runs it in this process, or
-  with ``in_subprocess=True`` in a child Python so a torch-free caller (the API) stays torch-free.
+- The conversion needs torch. `resolve_model_dir` takes the `Converter` to run: a process that has torch
+  (the engine's config, ``worker.config``) passes ``worker.gguf_model.convert_gguf`` and converts in
+  itself; a torch-free one (the API, the launcher) passes `convert_in_child`, which runs
+  ``python -m worker.gguf_model`` in a child Python: a command line, not an import, so neither this
+  module nor its caller loads torch.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,6 +47,11 @@ GGUF_REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", 
 # Tensor types that transformers dequantizes (through gguf-py) and that we have served.
 GGUF_TENSOR_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
+# The converter's command line (``python -m <this> GGUF OUT_DIR ARCHITECTURE``), for `convert_in_child`.
+CHILD_CONVERTER = "worker.gguf_model"
+
+Converter = Callable[[str, Path, str], None]
+"""Writes the HF directory of a GGUF file: ``convert(gguf_path, out_dir, architecture)``."""
 
 
 def is_gguf(model: str | os.PathLike) -> bool:
@@ -101,8 +110,9 @@ def check_gguf(gguf_path: str | os.PathLike) -> str:
     return GGUF_ARCHITECTURES[arch]
 
 
-def resolve_model_dir(model: str, in_subprocess: bool = False) -> str:
-    """`model` itself unless it is a GGUF file, else its converted cache directory (converted if missing)."""
+def resolve_model_dir(model: str, convert: Converter) -> str:
+    """`model` itself unless it is a GGUF file, else its converted cache directory (converted by `convert`
+    if missing)."""
     if not is_gguf(model):
         return model
     if not os.path.isfile(model):
@@ -115,8 +125,17 @@ def resolve_model_dir(model: str, in_subprocess: bool = False) -> str:
     with _exclusive(out.with_name(out.name + ".lock")):
         if not is_converted(out):  # another process may have finished while we waited
             _remove_stale_temp_dirs(out)
-            _convert(model, out, architecture, in_subprocess)
+            _convert(model, out, architecture, convert)
     return str(out)
+
+
+def convert_in_child(model: str, out_dir: Path, architecture: str) -> None:
+    """A `Converter` for a torch-free process: the conversion runs in a child Python; ValueError with its
+    stderr if it fails."""
+    done = subprocess.run([sys.executable, "-m", CHILD_CONVERTER, model, str(out_dir), architecture],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"converting {model} failed: {done.stderr.strip()[-2000:]}")
 
 
 @contextmanager
@@ -134,18 +153,11 @@ def _remove_stale_temp_dirs(out: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _convert(model: str, out: Path, architecture: str, in_subprocess: bool) -> None:
+def _convert(model: str, out: Path, architecture: str, convert: Converter) -> None:
     logger.info("converting GGUF %s into %s (once; cached)", model, out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        if in_subprocess:
-            done = subprocess.run([sys.executable, "-m", "worker.gguf_model", model, str(tmp), architecture],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            if done.returncode != 0:
-                raise ValueError(f"converting {model} failed: {done.stderr.strip()[-2000:]}")
-        else:
-            from worker.gguf_model import convert_gguf
-            convert_gguf(model, tmp, architecture)
+        convert(model, tmp, architecture)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared $REDSERVE_CACHE_DIR from other users
         os.rename(tmp, out)
     finally:

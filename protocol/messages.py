@@ -1,4 +1,4 @@
-"""Every message that crosses Redis, declared once (`broker.wire_schema`): codec and validation follow.
+"""Every message that crosses Redis, declared once (`protocol.wire_schema`): codec and validation follow.
 
 Rules:
 - Wire format is msgpack (never pickle: whoever can write to Redis must not run code in an engine).
@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from broker.errors import MessageError
-from broker.wire_schema import wire
+from protocol.errors import MessageError
+from protocol.wire_schema import wire
 
 __all__ = [
     "AbortRequests",
