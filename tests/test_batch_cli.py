@@ -44,8 +44,8 @@ def parse(*argv: str):
 
 def test_batch_keys_layout() -> None:
     keys = RedisKeys("rs")
-    assert keys.batch_results("b1") == "rs:batch:b1:results"
-    assert keys.batch_claims("b1") == "rs:batch:b1:claims"
+    assert keys.batch_results("b1") == "{rs}:batch:b1:results"
+    assert keys.batch_claims("b1") == "{rs}:batch:b1:claims"
     assert keys.celery() == "rs:celery:"
     with pytest.raises(ValueError):
         keys.batch_claims("a:b")

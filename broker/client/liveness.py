@@ -113,7 +113,7 @@ class Maintenance:
             logger.warning("client %s: heartbeat failed: %s", self._client_id, e)
             return
         for reply in replies:
-            if isinstance(reply, redis.RedisError):  # e.g. WRONGTYPE: rs:clients is not a set
+            if isinstance(reply, redis.RedisError):  # e.g. WRONGTYPE: {rs}:clients is not a set
                 warn_bad(f"{self._keys.clients()}:heartbeat", "client %s: heartbeat write failed: %s", self._client_id, reply)
 
     def check_presence(self) -> None:
