@@ -50,9 +50,9 @@ Layout, for prefix "rs" (all inspectable with plain `redis-cli`; quote the brace
     {rs}:batches:sweeper       string   SET NX PX lock: the batch sweeper that ran last (rate limit)
     {rs}:stack:restarts        hash     `redserve serve`: child name (engine-0, api, ...) -> restarts
                                         since the stack started
-    rs:celery:*                -        Celery's broker queues and result backend (kombu's
-                                        global_keyprefix; queue `batch`); on a cluster deployment they
-                                        live on a server of their own (`api.batch.tasks`)
+    {rs}:celery:*              -        Celery's broker queues and result backend (kombu's
+                                        global_keyprefix; queue `batch`); on a cluster, Celery talks to
+                                        the node owning this slot only (`api.batch.celery_redis`)
 
 Batches share the control tag because their claim script reads a client's heartbeat and their record
 script updates `{rs}:batches`. Ids (engine, client, batch) and the prefix must be non-empty and contain no
@@ -190,5 +190,6 @@ class RedisKeys:
         return self._control("stack:restarts")
 
     def celery(self) -> str:
-        """The global key prefix of Celery's broker and result-backend keys (ends with ':')."""
-        return f"{self.prefix}:celery:"
+        """The global key prefix of Celery's broker and result-backend keys (ends with ':'); it carries the control
+        tag, so every Celery key lives in one slot (`api.batch.celery_redis`, cluster mode)."""
+        return self._control("celery:")

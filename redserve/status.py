@@ -5,7 +5,8 @@ every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL 
 stream length and pending count, its `{rs}:lb` entry, its prefix-cache hit rate, the size of its prefix
 index and how often the API routed to it for its cache or for its load), engines recently declared dead (their hashes are
 kept a while), and the clients (API processes, Celery workers) with their heartbeats. Behind sentinels
-(a ``redis+sentinel://`` URL) it also names the primary and the healthy replicas the sentinels see.
+(a ``redis+sentinel://`` URL) it also names the primary and the healthy replicas the sentinels see; on a
+cluster (``redis+cluster://``), its primaries.
 `--json` prints the same as one JSON object. Imports no torch.
 
 Garbage in Redis (a malformed id in a set, a key of the wrong type, a field that is not a number) is
@@ -213,12 +214,12 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _topology(redis_url: str) -> dict | None:
-    from broker.connection import connect, replication_topology
+def _topology(redis_url: str) -> dict | list[str] | None:
+    from broker.connection import cluster_topology, connect, replication_topology
 
     client = connect(redis_url, retries=1)
     try:
-        return replication_topology(client)
+        return cluster_topology(client) or replication_topology(client)
     except redis.RedisError as e:
         return {"error": str(e), "master_name": "?", "primary": "?", "replicas": []}
     finally:
@@ -239,7 +240,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     status["redis_url"] = url
     header = f"redis {url}   "
     topology = _topology(args.redis_url)
-    if topology is not None:
+    if isinstance(topology, list):
+        status["redis_cluster"] = topology
+        header += f"(cluster of {len(topology)} primaries: {', '.join(topology)})   "
+    elif topology is not None:
         status["redis_replication"] = topology
         header += (f"(sentinel master {topology['master_name']}: primary {topology['primary']}, replicas "
                    f"{', '.join(topology['replicas']) or 'none'})   ")

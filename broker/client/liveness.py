@@ -29,6 +29,7 @@ from typing import Protocol
 
 import redis
 
+from broker.channels import subscriber_counts
 from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.client.migration import Migrator
@@ -131,11 +132,11 @@ class Maintenance:
             self._absent.clear()
             return
         try:
-            counts = self._connection().pubsub_numsub(*(self._keys.engine_presence(e, inc) for e, inc in watched))
+            counts = subscriber_counts(self._connection(), [self._keys.engine_presence(e, inc) for e, inc in watched])
         except redis.RedisError as e:
             logger.debug("client %s: presence check skipped: %s", self._client_id, e)
             return
-        absent = {engine for engine, (_, count) in zip(watched, counts, strict=True) if count == 0}
+        absent = {engine for engine, count in zip(watched, counts, strict=True) if count == 0}
         gone = (absent & self._absent) - exited
         self._absent = absent
         self._table.withdraw_exited(pair for pair in exited - absent if pair in watched)
