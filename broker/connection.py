@@ -221,8 +221,9 @@ def connect(
 
 
 def _cluster_client(c: ClusterUrl, kwargs: dict) -> RedisCluster:
-    """A `RedisCluster` whose node connections follow the module's retry policy. The cluster layer itself does
-    not retry on top (`retry` 0 there): a command's connection errors are retried by its node's connection."""
+    """A `RedisCluster` with the module's retry policy at the cluster level: redis-py retries a failed command
+    there (refreshing its slot map between tries, so a moved slot or a replaced node is found); the connections
+    to the nodes do not retry on their own."""
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in c.nodes], username=c.username,
                         password=c.password, require_full_coverage=True, **kwargs)
 

@@ -21,7 +21,8 @@ from broker.channels import subscriber_counts
 from broker.connection import cluster_url, connect, node_url_for_key, parse_cluster_url
 from broker.keys import RedisKeys
 from broker.load_balance import read_lb_snapshot
-from redserve.redis_cluster import slot_ranges
+from broker.registry import EngineRegistry
+from redserve.redis_cluster import ClusterRedis, slot_ranges
 
 API_KEY = "sk-cluster-test-key"
 KEYS = RedisKeys()
@@ -179,3 +180,21 @@ def test_batch_job_completes(stack: ClusterStack, tmp_path: Path) -> None:
     assert [r["custom_id"] for r in results] == [f"b{i}" for i in range(n)]
     assert all(r["response"]["body"]["usage"]["completion_tokens"] == 6 for r in results)
     assert celery_node.startswith("redis://")  # Celery talks to the node owning the control slot
+
+
+def test_status_and_redis_cli_on_a_cluster() -> None:
+    """Without a stack: `redserve status` names the primaries, `redserve redis-cli` follows redirections (-c)."""
+    cluster = ClusterRedis(3).start()
+    try:
+        r = connect(cluster.url)
+        EngineRegistry(r, KEYS).register("7", {"dp_rank": 0, "tp": 1, "model": "m"})
+        r.close()
+        status = subprocess.run(cli("status", "--redis-url", cluster.url), capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert "cluster of 3 primaries" in status.stdout and "starting" in status.stdout
+        assert "PASS" not in status.stdout and cluster.passwords["redserve"] not in status.stdout
+        got = subprocess.run(cli("redis-cli", "--redis-url", cluster.url, "HGET", KEYS.engine("7"), "state"),
+                             capture_output=True, text=True, timeout=60)
+        assert got.stdout.strip() == "starting", got.stdout + got.stderr
+    finally:
+        cluster.stop()
