@@ -2,9 +2,9 @@
 
 A heartbeat key says an engine is alive only until its TTL runs out, so a killed engine looks alive for
 seconds. A subscription is faster: when the process dies, the kernel closes its socket and Redis drops
-the subscription at once. Clients read `PUBSUB NUMSUB` (on a cluster `PUBSUB SHARDNUMSUB` of the channel's node,
-`broker.channels`) of the channels of the engines they use (no
-special rights needed, unlike CLIENT LIST) and declare an engine gone when its channel has no subscriber.
+the subscription at once. Clients read `PUBSUB NUMSUB` (on a cluster `PUBSUB SHARDNUMSUB` of the channel's
+node, `broker.channels`) of the channels of the engines they use (no special rights needed, unlike CLIENT LIST)
+and declare an engine gone when its channel has no subscriber.
 
 Rules:
 - The channel is `keys.engine_presence(engine_id, incarnation)`: a restarted engine (new incarnation)

@@ -1,8 +1,9 @@
 """The output listener thread of a `BrokerClient` (see the rules in `broker.client.client`).
 
-It subscribes once to `rs:out:{client_id}` (sharded pub/sub on a cluster, `broker.channels`) and hands each `EngineOutputs` to the client's in-flight table
-(`InFlightTable.deliver`: duplicates dropped, a skipped seq fails that engine's requests with output_lost,
-continuations renamed to their request, engine_failed outputs declare the engine gone). When the
+It subscribes once to `rs:out:{client_id}` (sharded pub/sub on a cluster, `broker.channels`) and hands each
+`EngineOutputs` to the client's in-flight table (`InFlightTable.deliver`: duplicates dropped, a skipped seq
+fails that engine's requests with output_lost, continuations renamed to their request, engine_failed outputs
+declare the engine gone). When the
 subscription drops it tells the table (`lose_subscription`: unstarted requests wait to be sent again, started
 ones that may move wait to be resumed from their delivered tokens, the rest and every utility call fail with
 broker_disconnected) and resubscribes with backoff (capped at 2 s, 0.25 s behind sentinels).
