@@ -120,7 +120,7 @@ def test_one_engine_keys_share_one_slot_and_the_control_keys_another(stack: Clus
             slots = {r.cluster_keyslot(name) for name in names}  # asked of the server (CLUSTER KEYSLOT)
             assert slots == {r.keyslot(KEYS.engine(engine))}
         control = [KEYS.engines(), KEYS.lb(), KEYS.wave(), KEYS.coordinator_lock(), KEYS.coordinator(), KEYS.clients()]
-        assert all(r.exists(name) for name in control), control
+        wait_for(lambda: all(r.exists(name) for name in control), 20, f"the coordinator's keys {control}")
         assert len({r.cluster_keyslot(name) for name in control}) == 1
     finally:
         r.close()
