@@ -30,7 +30,7 @@ ours (e.g. queue time is measured by our engine); a vLLM Grafana dashboard works
 | redserve:prefix_cache_hits_total{engine}        | vllm:prefix_cache_hits_total (tokens)       | counter, engine|
 | redserve:num_preemptions_total{engine}          | vllm:num_preemptions_total                  | counter, engine|
 | redserve:prefix_cache_hit_rate{engine}          | (none; hits / queries since engine start)   | gauge, engine  |
-| redserve:routing_decisions_total{engine,reason} | (none; reason cache / load, `rs:routing`)   | counter, Redis |
+| redserve:routing_decisions_total{engine,reason} | (none; reason cache / load, `{rs}:routing`)   | counter, Redis |
 | redserve:request_queue_time_seconds{engine}     | vllm:request_queue_time_seconds             | histogram, eng.|
 | redserve:request_prefill_time_seconds{engine}   | vllm:request_prefill_time_seconds           | histogram, eng.|
 | redserve:request_decode_time_seconds{engine}    | vllm:request_decode_time_seconds            | histogram, eng.|

@@ -7,6 +7,7 @@ everything under it are killed at the end whatever happens.
 
     python benchmarks/fault_matrix.py [--model DIR] [--streams 150]
     python benchmarks/fault_matrix.py --redis-replicas 2 [--failover-streams 32]   # the Sentinel rows only
+    python benchmarks/fault_matrix.py --redis-cluster 3                            # the Cluster rows only
 
 Rules:
 - "time to recover" runs from the fault to the first completion that succeeds again (or, for a request
@@ -17,6 +18,9 @@ Rules:
   Redis rows of that mode: the primary, a replica and a sentinel killed under streams in flight. "exact"
   counts streams that ended with [DONE], no error event and all their tokens (the usage chunk);
   "longest pause" is the longest wait between two events of any stream.
+- With ``--redis-cluster N`` the stack runs an N-primary Redis Cluster, and the matrix kills each primary in turn
+  (the supervisor restarts it with its slots, empty) under streams in flight and 3 un-started requests; each
+  row says which of redserve's keys and channels that node held.
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ def percentile(values: list[float], q: float) -> float:
 class ServeStack:
     """One `redserve serve` in a temp dir, with helpers to find and break its parts."""
 
-    def __init__(self, model: str, workdir: Path, api_workers: int, redis_replicas: int = 0) -> None:
+    def __init__(self, model: str, workdir: Path, api_workers: int, redis_replicas: int = 0,
+                 redis_cluster: int = 0) -> None:
         self.state_dir = workdir / "state"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -103,7 +108,7 @@ class ServeStack:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             cli("serve", "--model", model, "--dtype", "float32", "--port", str(self.port), "--api-workers",
-                str(api_workers), "--redis-replicas", str(redis_replicas)), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                str(api_workers), "--redis-replicas", str(redis_replicas), "--redis-cluster", str(redis_cluster)), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
             start_new_session=True, preexec_fn=pdeathsig_preexec())
 
     def state(self) -> dict:
@@ -466,14 +471,64 @@ def sentinel_steps(stack: ServeStack, streams: int) -> list[Callable[[], Row]]:
             lambda: (wait_for(settled, 60, "the sentinel back"), redis_primary_kill(stack, streams))[1]]
 
 
-def run(model: str, streams: int, redis_replicas: int = 0, failover_streams: int = 32) -> list[Row]:
+def _cluster_node_holds(stack: ServeStack, address: str) -> str:
+    """Which of redserve's keys and channels the cluster node at `address` owns."""
+    client = stack.redis()
+    try:
+        def owner(key: str) -> str:
+            node = client.get_node_from_key(key)
+            return f"{node.host}:{node.port}"
+        held = [f"engine {e} keys" for e in ("0",) if owner(KEYS.engine(e)) == address]
+        if owner(KEYS.lb()) == address:
+            held.append("control keys + Celery")
+        clients = [c.decode() for c in client.smembers(KEYS.clients())]
+        outs = sum(owner(KEYS.output_channel(c)) == address for c in clients)
+        if outs:
+            held.append(f"{outs} of {len(clients)} client output channels")
+    finally:
+        client.close()
+    return ", ".join(held) or "no redserve key"
+
+
+def redis_cluster_node_kill(stack: ServeStack, index: int, streams: int) -> Row:
+    node = stack.state()["redis_nodes"][index]
+    holds = _cluster_node_holds(stack, node["address"])
+    engine = stack.child("engine-0")
+    running = [Stream(stack, 300) for _ in range(streams)]
+    threads, results = queue_unstarted(stack, engine)
+    try:
+        os.kill(node["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    recovered = stack.wait_served(killed)
+    _finished(running)
+    queued, lost = joined(threads, results)
+    return (f"Redis Cluster primary {node['name']} kill -9 ({holds})",
+            f"{streams} streams mid-way, 3 queued (engine SIGSTOPped), SIGKILL the node; restarted with its slots",
+            f"{_stream_summary(running)}; queued: {queued}", f"{recovered:.1f}", f"{lost} of 3 (no persistence)")
+
+
+def cluster_steps(stack: ServeStack, primaries: int, streams: int) -> list[Callable[[], Row]]:
+    """The rows of ``--redis-cluster``: each primary killed in turn, once the previous one is back."""
+    def settled() -> bool:
+        if not all(alive(n["pid"]) for n in stack.state()["redis_nodes"]):
+            return False
+        return stack.served()
+    return [lambda i=i: (wait_for(settled, 120, "every node back"), redis_cluster_node_kill(stack, i, streams))[1]
+            for i in range(primaries)]
+
+
+def run(model: str, streams: int, redis_replicas: int = 0, failover_streams: int = 32,
+        redis_cluster: int = 0) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="redserve-faults-"))
-    stack = ServeStack(model, workdir, api_workers=2, redis_replicas=redis_replicas)
+    stack = ServeStack(model, workdir, api_workers=2, redis_replicas=redis_replicas, redis_cluster=redis_cluster)
     rows: list[Row] = []
     try:
         wait_for(stack.served, 180, "the stack to serve", interval=0.5)
         ctx = 2048 + 10
-        steps: list[Callable[[], Row]] = sentinel_steps(stack, failover_streams) if redis_replicas else [
+        steps: list[Callable[[], Row]] = sentinel_steps(stack, failover_streams) if redis_replicas else \
+            cluster_steps(stack, redis_cluster, 8) if redis_cluster else [
             lambda: engine_kill(stack), lambda: coordinator_kill(stack), lambda: api_master_kill(stack),
             lambda: api_worker_kill(stack), lambda: redis_kill(stack), lambda: batch_worker_kill(stack, workdir),
             lambda: garbage_control_state(stack),
@@ -508,6 +563,8 @@ def main() -> None:
     parser.add_argument("--redis-replicas", type=int, default=0,
                         help="N >= 1: run the Sentinel rows (primary, replica, sentinel killed) on N replicas instead")
     parser.add_argument("--failover-streams", type=int, default=32, help="streams in flight when the primary dies")
+    parser.add_argument("--redis-cluster", type=int, default=0,
+                        help="N >= 1: run the Cluster rows (each of N primaries killed in turn) instead")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -515,7 +572,7 @@ def main() -> None:
         model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="redserve-tiny-")) / "tiny-llama", arch="llama",
                                     seed=0, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                     intermediate_size=256, vocab_size=1024))
-    rows = run(model, args.streams, args.redis_replicas, args.failover_streams)
+    rows = run(model, args.streams, args.redis_replicas, args.failover_streams, args.redis_cluster)
     print("| fault | what was done | what clients saw | time to recover (s) | un-started requests lost |")
     print("|---|---|---|---|---|")
     for row in rows:

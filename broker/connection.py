@@ -23,6 +23,11 @@ Rules:
   sentinels too. By default a command is retried for `FAILOVER_WINDOW` seconds (not a number of times):
   long enough for the sentinels to notice a dead primary and promote a replica, so callers see a pause,
   not an error. An explicit `retries` (0 for the pub/sub listener) keeps its meaning in both modes.
+- Cluster mode: ``redis+cluster://[USER:PASS@]HOST1:PORT1[,HOST2:PORT2...][/]`` names some nodes of a Redis
+  Cluster (any node will do: the client reads the slot map from the first that answers); `connect` returns
+  redis-py's `RedisCluster`, which sends each command to the primary owning its key's slot and follows MOVED /
+  ASK redirections. There is one database (0). Every key redserve forms is hash-tagged (`broker.keys`), so its
+  transactions and scripts touch one slot; channels are sharded (`broker.channels`). No TLS in this form.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
@@ -45,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
 SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
 DEFAULT_RETRIES = 5
 FAILOVER_WINDOW = 20.0
 """Seconds a sentinel-mode client keeps retrying a command: a failover of the embedded setup takes ~2-3 s
@@ -97,11 +104,46 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     return SentinelUrl(sentinels, unquote(path[0]), int(db), username, password, s_user, s_pass)
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(text: str, kind: str = "sentinel") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not host:
-        raise ValueError(f"a sentinel address must be HOST:PORT, got {text!r}")
+        raise ValueError(f"a {kind} address must be HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class ClusterUrl:
+    """A parsed ``redis+cluster://`` URL (see the module rules)."""
+
+    nodes: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = None
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(f"{CLUSTER_SCHEME}://")
+
+
+def parse_cluster_url(url: str) -> ClusterUrl:
+    """The parts of a ``redis+cluster://`` URL; ValueError saying what is wrong with a bad one."""
+    parts = urlsplit(url)
+    if parts.scheme != CLUSTER_SCHEME:
+        raise ValueError(f"not a {CLUSTER_SCHEME}:// URL: {mask_url(url)}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if ":" in userinfo else ("", "", userinfo)
+    nodes = tuple(_host_port(h, "cluster node") for h in hosts.split(",") if h)
+    if not nodes or parts.path.strip("/") not in ("", "0") or parts.query:
+        raise ValueError(f"a cluster URL is {CLUSTER_SCHEME}://[USER:PASS@]HOST:PORT[,HOST:PORT...]/ (one database, "
+                         f"no options), got {mask_url(url)}")
+    return ClusterUrl(nodes, unquote(username) or None, unquote(password) or None)
+
+
+def cluster_url(nodes: list[tuple[str, int]], username: str | None = None, password: str | None = None) -> str:
+    """The ``redis+cluster://`` URL of these nodes (the inverse of `parse_cluster_url`)."""
+    auth = ""
+    if password is not None:
+        auth = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
+    return f"{CLUSTER_SCHEME}://{auth}{','.join(f'{h}:{p}' for h, p in nodes)}/"
 
 
 def sentinel_url(sentinels: list[tuple[str, int]], master: str, username: str | None = None,
@@ -153,7 +195,8 @@ def connect(
     health_check_interval: int = 15,
     client_name: str | None = None,
 ) -> redis.Redis:
-    """A client for `url` (redis://, rediss://, unix:// or redis+sentinel://) with the module's retry policy.
+    """A client for `url` (redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://) with the module's
+    retry policy.
 
     `retries=0` gives a client that raises on the first connection error (used for the pub/sub
     listener, which must notice every disconnect to know that messages may have been lost).
@@ -172,7 +215,17 @@ def connect(
                   client_name=client_name, protocol=2, decode_responses=False, **tcp_only)
     if sentinel_mode:
         return _sentinel_client(parse_sentinel_url(url), connect_timeout, kwargs)
+    if is_cluster_url(url):
+        return _cluster_client(parse_cluster_url(url), kwargs)
     return redis.Redis.from_url(url, **kwargs)
+
+
+def _cluster_client(c: ClusterUrl, kwargs: dict) -> RedisCluster:
+    """A `RedisCluster` with the module's retry policy at the cluster level: redis-py retries a failed command
+    there (refreshing its slot map between tries, so a moved slot or a replaced node is found); the connections
+    to the nodes do not retry on their own."""
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in c.nodes], username=c.username,
+                        password=c.password, require_full_coverage=True, **kwargs)
 
 
 def _sentinel_client(s: SentinelUrl, connect_timeout: float, kwargs: dict) -> redis.Redis:
@@ -189,6 +242,8 @@ def redis_address(url: str) -> tuple[str, int]:
     (to pick the local interface towards Redis)."""
     if is_sentinel_url(url):
         return parse_sentinel_url(url).sentinels[0]
+    if is_cluster_url(url):
+        return parse_cluster_url(url).nodes[0]
     parts = urlsplit(url)
     return parts.hostname or "127.0.0.1", parts.port or 6379
 
@@ -196,7 +251,7 @@ def redis_address(url: str) -> tuple[str, int]:
 def replication_topology(client: redis.Redis) -> dict | None:
     """For a client from a sentinel URL: {"master_name", "primary": "HOST:PORT", "replicas": [...]} as the
     sentinels see them now (healthy replicas only); None for a client of one server."""
-    pool = client.connection_pool
+    pool = getattr(client, "connection_pool", None)  # a RedisCluster has one pool per node
     manager = getattr(pool, "sentinel_manager", None)
     if manager is None:
         return None
@@ -205,9 +260,36 @@ def replication_topology(client: redis.Redis) -> dict | None:
     return {"master_name": pool.service_name, "primary": f"{host}:{port}", "replicas": replicas}
 
 
+def node_url_for_key(url: str, key: str) -> str:
+    """For a cluster URL, the redis:// URL of the primary that owns `key`'s slot now (for a client that speaks to
+    one server, such as Celery's); `url` itself for any other URL."""
+    if not is_cluster_url(url):
+        return url
+    c = parse_cluster_url(url)
+    client = connect(url, retries=0)
+    try:
+        node = client.get_node_from_key(key)
+    finally:
+        client.close()
+    auth = f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@" if c.password is not None else ""
+    return f"redis://{auth}{node.host}:{node.port}/0"
+
+
+def cluster_topology(client: redis.Redis | RedisCluster) -> list[str] | None:
+    """For a cluster client: its primaries as "HOST:PORT", sorted, as its slot map has them; None otherwise."""
+    if not isinstance(client, RedisCluster):
+        return None
+    return sorted(f"{node.host}:{node.port}" for node in client.get_primaries())
+
+
 def primary_url(url: str) -> str:
     """`url` itself, or for a sentinel URL the redis:// URL of the primary the sentinels name now (for tools
-    such as redis-cli that speak to one server); raises redis.ConnectionError when no sentinel answers."""
+    such as redis-cli that speak to one server); raises redis.ConnectionError when no sentinel answers.
+    For a cluster URL, the redis:// URL of its first node (redis-cli then needs ``-c`` to follow redirects)."""
+    if is_cluster_url(url):
+        c = parse_cluster_url(url)
+        auth = f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@" if c.password is not None else ""
+        return f"redis://{auth}{c.nodes[0][0]}:{c.nodes[0][1]}/0"
     if not is_sentinel_url(url):
         return url
     s = parse_sentinel_url(url)

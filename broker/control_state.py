@@ -1,7 +1,7 @@
 """Control state read from Redis is data from outside: the checks every reader applies to it.
 
-Anyone who can write to Redis can leave anything in a control key (`redis-cli SADD rs:engines 'a:b'`,
-`SET rs:lb x`, a hash with `waiting=lots`). Readers use these helpers so that a bad entry is skipped
+Anyone who can write to Redis can leave anything in a control key (`redis-cli SADD {rs}:engines 'a:b'`,
+`SET {rs}:lb x`, a hash with `waiting=lots`). Readers use these helpers so that a bad entry is skipped
 with one rate-limited warning (`broker.log_limits`) and never raises into a request, the coordinator
 or an engine.
 

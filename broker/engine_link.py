@@ -13,7 +13,8 @@ Rules for the engine process:
   unread and in-flight messages. A retried XADD can deliver an ADD twice: ignore a request id
   you already have.
 - Output thread: one `publisher.publish(...)` per step: one PUBLISH per client (all that client's
-  new tokens), the acks and the stats, in one pipeline. It returns the number of subscribers per
+  new tokens; SPUBLISH on a cluster, `broker.channels`), the acks and the stats, in one pipeline (on a
+  cluster redis-py splits it per node: the engine's own keys are on one, the channels on their clients'). It returns the number of subscribers per
   client: 0 means nobody heard it, so abort the requests whose outputs were in it (the client is
   gone, or lost its subscription and fails them itself; its later requests are fine); -1 means the
   step could not be delivered (Redis down for longer than the retries), so do not conclude anything.
@@ -31,6 +32,7 @@ import msgpack
 import redis
 from redis.client import Pipeline
 
+from broker.channels import is_cluster, publish
 from broker.keys import RedisKeys
 from broker.registry import EngineHeartbeat, EngineRegistry, encode_fields
 from protocol.errors import MessageError
@@ -192,6 +194,7 @@ class OutputPublisher:
         backoff_cap: float = 1.0,
     ) -> None:
         self._redis = redis_client
+        self._sharded = is_cluster(redis_client)
         self.keys = keys or RedisKeys()
         self.engine_id = engine_id
         self._stream = self.keys.request_stream(engine_id)
@@ -211,7 +214,7 @@ class OutputPublisher:
         for attempt in range(self._attempts):
             p = self._redis.pipeline(transaction=False)
             for client_id, payload in zip(clients, payloads, strict=True):
-                p.publish(self.keys.output_channel(client_id), payload)
+                publish(p, self.keys.output_channel(client_id), payload, self._sharded)
             if ack_ids:
                 p.xack(self._stream, self.keys.consumer_group, *ack_ids)
                 p.xdel(self._stream, *ack_ids)

@@ -2,8 +2,9 @@
 
 A heartbeat key says an engine is alive only until its TTL runs out, so a killed engine looks alive for
 seconds. A subscription is faster: when the process dies, the kernel closes its socket and Redis drops
-the subscription at once. Clients read `PUBSUB NUMSUB` of the channels of the engines they use (no
-special rights needed, unlike CLIENT LIST) and declare an engine gone when its channel has no subscriber.
+the subscription at once. Clients read `PUBSUB NUMSUB` (on a cluster `PUBSUB SHARDNUMSUB` of the channel's
+node, `broker.channels`) of the channels of the engines they use (no special rights needed, unlike CLIENT LIST)
+and declare an engine gone when its channel has no subscriber.
 
 Rules:
 - The channel is `keys.engine_presence(engine_id, incarnation)`: a restarted engine (new incarnation)
@@ -22,7 +23,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from broker.connection import connect
+from broker.channels import Subscriber
 from broker.keys import RedisKeys
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,9 @@ class EnginePresence:
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
-            conn = connect(self._url, retries=0, client_name=f"engine-{self._engine_id}-presence")
-            pubsub = conn.pubsub()
+            pubsub = None
             try:
+                pubsub = Subscriber(self._url, self._channel(), f"engine-{self._engine_id}-presence")
                 current = None
                 while not self._stop.is_set():
                     wanted = self._channel()
@@ -92,8 +93,8 @@ class EnginePresence:
                 self._stop.wait(min(1.0, 0.05 * 2**failures))
             finally:
                 self._set_subscribed(None)
-                pubsub.close()
-                conn.close()
+                if pubsub is not None:
+                    pubsub.close()
 
 
 def _text(value: bytes | str) -> str:

@@ -1,8 +1,8 @@
-"""Engine choice for new requests, and the coordinator's load snapshot format (`rs:lb`).
+"""Engine choice for new requests, and the coordinator's load snapshot format (`{rs}:lb`).
 
-Snapshot: the coordinator (its single writer) keeps `rs:lb` as a hash engine_id -> JSON
+Snapshot: the coordinator (its single writer) keeps `{rs}:lb` as a hash engine_id -> JSON
 `{"waiting": int, "running": int, "kv_usage": float, "step": int, "ts": wall-clock seconds}`,
-replaced as a whole by `write_lb_snapshot`; `redis-cli HGETALL rs:lb` shows it as is. Readers skip
+replaced as a whole by `write_lb_snapshot`; `redis-cli HGETALL {rs}:lb` shows it as is. Readers skip
 an entry whose id or JSON is not valid, or whose counters are not non-negative ints / finite numbers.
 
 Choice (`EngineSelector.select`), among READY engines with a live heartbeat:
@@ -33,7 +33,7 @@ half the prefix is worth half that). Weight 16 kept a multi-turn benchmark at 94
 rate with DP=2 (8 gave 79%: a turn-2 prompt holds half its blocks, worth only one waiting request). An engine whose stats (`stats_at`) are older than `snapshot_max_age` counts as hit 0 (stale
 index); if no candidate holds anything, or the lookup fails, the choice is the load-only one.
 Each choice is counted by reason: "cache" when the chosen engine holds more of the prompt than
-some other candidate, else "load" (`decisions`, and `rs:routing` when a `prefix_index` is given).
+some other candidate, else "load" (`decisions`, and `{rs}:routing` when a `prefix_index` is given).
 Environment (read by `RoutingConfig.from_env`): REDSERVE_ROUTING (cache | load),
 REDSERVE_CACHE_ROUTING_WEIGHT, REDSERVE_CACHE_ROUTING_SPILL (factor), REDSERVE_CACHE_ROUTING_SLACK,
 REDSERVE_CACHE_ROUTING_PROBES.
@@ -155,7 +155,7 @@ def _number(d: Mapping[str, Any], name: str) -> float:
 def write_lb_snapshot(
     redis_client: redis.Redis, keys: RedisKeys, loads: Mapping[str, EngineLoad], pipe: Pipeline | None = None
 ) -> None:
-    """Replace `rs:lb` with `loads` atomically (MULTI: DEL + HSET)."""
+    """Replace `{rs}:lb` with `loads` atomically (MULTI: DEL + HSET)."""
     p = pipe if pipe is not None else redis_client.pipeline(transaction=True)
     p.delete(keys.lb())
     if loads:
@@ -167,7 +167,7 @@ def write_lb_snapshot(
 def read_lb_snapshot(redis_client: redis.Redis, keys: RedisKeys) -> dict[str, EngineLoad]:
     """The current snapshot; entries that do not parse are skipped with a rate-limited log line.
 
-    A `rs:lb` of the wrong type reads as no snapshot (clients then count their own requests).
+    A `{rs}:lb` of the wrong type reads as no snapshot (clients then count their own requests).
     """
     try:
         raw_entries = redis_client.hgetall(keys.lb())

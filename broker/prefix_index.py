@@ -130,7 +130,7 @@ def drop_index(redis_client: redis.Redis, keys: RedisKeys, engine_id: str) -> No
 
 
 class RoutingCounter:
-    """Counts routing decisions in `rs:routing` ("{engine}:{reason}" -> n); Redis errors are only logged."""
+    """Counts routing decisions in `{rs}:routing` ("{engine}:{reason}" -> n); Redis errors are only logged."""
 
     def __init__(self, redis_client: redis.Redis, keys: RedisKeys) -> None:
         self._redis = redis_client
@@ -144,7 +144,7 @@ class RoutingCounter:
 
 
 def read_routing_counts(redis_client: redis.Redis, keys: RedisKeys) -> dict[str, dict[str, int]]:
-    """engine id -> {reason: count} from `rs:routing` (malformed fields skipped)."""
+    """engine id -> {reason: count} from `{rs}:routing` (malformed fields skipped)."""
     try:
         raw = redis_client.hgetall(keys.routing())
     except redis.ResponseError:

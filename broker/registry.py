@@ -1,4 +1,4 @@
-"""Engine registration, state and heartbeats in Redis (the `rs:engine:*` keys and `rs:engines`).
+"""Engine registration, state and heartbeats in Redis (the `rs:engine:*` keys and `{rs}:engines`).
 
 Rules:
 - An engine calls `register` (state=starting, fresh `incarnation`), starts heartbeating
@@ -13,12 +13,14 @@ Rules:
   from what this registry object last wrote; stats come back with the next `update_stats`.
 - Hash values are plain strings so they read well in `redis-cli`; reading them back turns
   numeric-looking values into int/float, except the fields in `STR_FIELDS`.
-- Reads validate what they find (`broker.control_state`): a malformed member of `rs:engines`, an
+- Reads validate what they find (`broker.control_state`): a malformed member of `{rs}:engines`, an
   engine hash of the wrong type or without a valid state/incarnation, is skipped with a rate-limited
   warning; a field that is not UTF-8 or not the number it must be is dropped. Reads raise only for
   Redis outages.
 - The prefix-cache index `rs:engine:{id}:blocks` (`broker.prefix_index`) is deleted by `register`
   and `deregister`; the heartbeat keeps its TTL at 3 x ttl, so it outlives no dead engine for long.
+- A transaction touches one engine's keys only (one hash-tag slot); its `{rs}:engines` entry is written by a
+  command of its own (`register` adds it after the hash exists, `deregister` removes it first).
 - Methods that write take an optional pipeline (`pipe`); without one they run immediately.
 """
 
@@ -92,12 +94,12 @@ class EngineRegistry:
         )
         with self._lock:
             self._records[engine_id] = dict(record)
-        p = pipe if pipe is not None else self._redis.pipeline(transaction=True)
+        p = pipe if pipe is not None else self._redis.pipeline(transaction=True)  # the engine's slot only
         p.delete(self.keys.engine(engine_id), self.keys.engine_blocks(engine_id))  # a new incarnation's cache is empty
         p.hset(self.keys.engine(engine_id), mapping=record)
-        p.sadd(self.keys.engines(), engine_id)
         if pipe is None:
             p.execute()
+        (pipe if pipe is not None else self._redis).sadd(self.keys.engines(), engine_id)  # the control slot
         return incarnation
 
     def mark_ready(
@@ -160,10 +162,10 @@ class EngineRegistry:
         """Remove the hash, heartbeat, set entry and request stream. Stop heartbeating first."""
         with self._lock:
             self._records.pop(engine_id, None)
-        p = pipe if pipe is not None else self._redis.pipeline(transaction=True)
+        (pipe if pipe is not None else self._redis).srem(self.keys.engines(), engine_id)  # the control slot
+        p = pipe if pipe is not None else self._redis.pipeline(transaction=True)  # the engine's slot only
         p.delete(self.keys.engine(engine_id), self.keys.engine_alive(engine_id), self.keys.request_stream(engine_id),
                  self.keys.engine_blocks(engine_id))
-        p.srem(self.keys.engines(), engine_id)
         if pipe is None:
             p.execute()
 

@@ -39,7 +39,7 @@ class StackState:
     served_model_names: list[str] = field(default_factory=list)
     pid: int = field(default_factory=os.getpid)
     admin_redis_url: str | None = None  # the embedded Redis's operator user (`redserve redis-cli --admin`)
-    redis_nodes: list[dict] = field(default_factory=list)  # --redis-replicas: primary, replicas, sentinels
+    redis_nodes: list[dict] = field(default_factory=list)  # --redis-replicas / --redis-cluster: the nodes
 
 
 def state_path() -> Path:

@@ -1,29 +1,33 @@
 """The DP coordinator (`redserve coordinator`): load snapshot, wave counter, engine liveness.
 
 Rules:
-- One coordinator is active: the holder of `rs:coordinator:lock` (`coordinator.leader_lock`). Any
+- One coordinator is active: the holder of `{rs}:coordinator:lock` (`coordinator.leader_lock`). Any
   number of standbys try to take the lock every `standby_poll` seconds, so one takes over within
   the lock's TTL (+ one poll) of the active one dying. Every write of the active one is fenced by
   the lock (a WATCHed transaction or a Lua check), so one that lost the lock while paused writes
   nothing. It imports no torch: it starts in a fraction of a second and needs no accelerator.
-- Each tick reads every registered engine (hash + heartbeat) and `rs:wave`: every `interval`
+- Each tick reads every registered engine (hash + heartbeat) and `{rs}:wave`: every `interval`
   seconds while an engine has work or the loads just moved, every `idle_interval` otherwise.
-- It rewrites `rs:lb` (and its own `rs:coordinator` hash) when the loads moved, and at least
-  every `refresh_interval` seconds; the same transaction sets `rs:wave` to W + 1 when wave W is
+- It rewrites `{rs}:lb` (and its own `{rs}:coordinator` hash) when the loads moved, and at least
+  every `refresh_interval` seconds; the same transaction sets `{rs}:wave` to W + 1 when wave W is
   complete (rules in `coordinator.rules`).
 - An engine found dead (its heartbeat gone: `DeathWatch`) is marked state=dead (the hash is kept
-  `dead_record_ttl` seconds for inspection), removed from `rs:engines` and its request stream is
-  deleted (and its prefix-cache index `rs:engine:{id}:blocks`), by one Lua script that first checks the lock and that the engine has not come back.
+  `dead_record_ttl` seconds for inspection), removed from `{rs}:engines` and its request stream is
+  deleted (and its prefix-cache index `rs:engine:{id}:blocks`), by two Lua scripts, one per hash-tag slot (a
+  cluster runs no script across slots): the first checks the lock and removes the id from `{rs}:engines`, the
+  second checks that the engine has not come back and marks it. An engine that came back in between is back
+  in `{rs}:engines` at its next heartbeat; a coordinator that lost the lock in between marks dead only an engine
+  whose heartbeat is gone, as the new one would.
   Its requests are NOT re-sent from here: clients re-place those that had not started (they know
   which) and fail the others with engine_gone; re-sending here as well would run them twice.
-- Client ids whose heartbeat has expired are removed from `rs:clients` every `client_sweep_interval`.
+- Client ids whose heartbeat has expired are removed from `{rs}:clients` every `client_sweep_interval`.
 - Redis errors are logged and retried at the next tick; they never stop the coordinator. Nor does
   anything else: an unexpected error in one step is logged (rate-limited, with its traceback) and the
   next step runs; only `stop` ends `run`.
-- What it reads is validated (`broker.control_state`): bad members of `rs:engines` / `rs:clients` and
-  bad engine hashes are skipped. A `rs:wave` that is not a wave number (or not a string) is logged and
-  overwritten with the coordinator's own count at the next write; `rs:coordinator` is replaced as a
-  whole (DEL + HSET), so a key of the wrong type there or in `rs:lb` is repaired by the next write.
+- What it reads is validated (`broker.control_state`): bad members of `{rs}:engines` / `{rs}:clients` and
+  bad engine hashes are skipped. A `{rs}:wave` that is not a wave number (or not a string) is logged and
+  overwritten with the coordinator's own count at the next write; `{rs}:coordinator` is replaced as a
+  whole (DEL + HSET), so a key of the wrong type there or in `{rs}:lb` is repaired by the next write.
 """
 
 from __future__ import annotations
@@ -51,17 +55,22 @@ from coordinator.rules import DeathWatch, EngineReport, WaveTracker, build_snaps
 
 logger = logging.getLogger(__name__)
 
-_MARK_DEAD = """
--- KEYS: lock, engine hash, engine alive key, engines set, request stream, prefix-cache index
--- ARGV: lock token, engine id, incarnation, now, dead record ttl
+_FORGET_ENGINE = """
+-- KEYS: lock, engines set (the control slot); ARGV: lock token, engine id
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-if redis.call('HGET', KEYS[2], 'incarnation') ~= ARGV[3] then return -2 end
-if redis.call('GET', KEYS[3]) == ARGV[3] then return -2 end
-local entries = redis.call('XLEN', KEYS[5])
-redis.call('HSET', KEYS[2], 'state', 'dead', 'dead_at', ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('SREM', KEYS[4], ARGV[2])
-redis.call('DEL', KEYS[5], KEYS[6])
+redis.call('SREM', KEYS[2], ARGV[2])
+return 0
+"""
+
+_MARK_DEAD = """
+-- KEYS: engine hash, engine alive key, request stream, prefix-cache index (the engine's slot)
+-- ARGV: incarnation, now, dead record ttl
+if redis.call('HGET', KEYS[1], 'incarnation') ~= ARGV[1] then return -2 end
+if redis.call('GET', KEYS[2]) == ARGV[1] then return -2 end
+local entries = redis.call('XLEN', KEYS[3])
+redis.call('HSET', KEYS[1], 'state', 'dead', 'dead_at', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('DEL', KEYS[3], KEYS[4])
 return entries
 """
 
@@ -112,6 +121,7 @@ class Coordinator:
         self._clock = clock
         self.lock = LeaderLock(redis_client, keys.coordinator_lock(), self.id, self.config.lock_ttl, clock)
         self.registry = EngineRegistry(redis_client, keys)
+        self._forget_engine = redis_client.register_script(_FORGET_ENGINE)
         self._mark_dead = redis_client.register_script(_MARK_DEAD)
         self._forget_client = redis_client.register_script(_FORGET_CLIENT)
         self.active_since: float | None = None
@@ -156,7 +166,7 @@ class Coordinator:
         return wait
 
     def resign(self) -> None:
-        """Give the lock up (and clear `rs:coordinator`) if held, so a standby takes over at once."""
+        """Give the lock up (and clear `{rs}:coordinator`) if held, so a standby takes over at once."""
         if self.active_since is None:
             return
         try:
@@ -212,7 +222,7 @@ class Coordinator:
 
         def write(p: Pipeline) -> None:
             write_lb_snapshot(self.redis, self.keys, loads, pipe=p)
-            # starts at 0, so GET rs:wave always answers; garbage there is replaced
+            # starts at 0, so GET {rs}:wave always answers; garbage there is replaced
             p.set(self.keys.wave(), wave, nx=not (advance or self._wave_bad))
             p.delete(self.keys.coordinator())
             p.hset(self.keys.coordinator(), mapping=encode_fields(info))
@@ -232,10 +242,12 @@ class Coordinator:
         """Run the mark-dead script; True if the engine is now marked dead."""
         k = self.keys
         try:
-            result = self._mark_dead(
-                keys=[k.coordinator_lock(), k.engine(r.engine_id), k.engine_alive(r.engine_id), k.engines(),
-                      k.request_stream(r.engine_id), k.engine_blocks(r.engine_id)],
-                args=[self.id, r.engine_id, r.incarnation, round(time.time(), 3), self.config.dead_record_ttl])
+            result = self._forget_engine(keys=[k.coordinator_lock(), k.engines()], args=[self.id, r.engine_id])
+            if result == 0:
+                result = self._mark_dead(
+                    keys=[k.engine(r.engine_id), k.engine_alive(r.engine_id), k.request_stream(r.engine_id),
+                          k.engine_blocks(r.engine_id)],
+                    args=[r.incarnation, round(time.time(), 3), self.config.dead_record_ttl])
         except redis.ResponseError as e:  # a key of the wrong type: skip this engine, keep ticking
             warn_bad(f"{k.engine(r.engine_id)}:mark-dead", "coordinator %s: cannot mark engine %s dead: %s",
                      self.id, r.engine_id, e)
@@ -252,7 +264,7 @@ class Coordinator:
         return True
 
     def _read_wave(self) -> int | None:
-        """`rs:wave` as a wave number; None if absent or not one (then `_wave_bad`: the next write fixes it)."""
+        """`{rs}:wave` as a wave number; None if absent or not one (then `_wave_bad`: the next write fixes it)."""
         try:
             raw = self.redis.get(self.keys.wave())
         except redis.ResponseError as e:

@@ -8,7 +8,7 @@ Rules:
   STARTING engine takes no traffic yet). `ts` is when the engine wrote those counters
   (`stats_at`), so a hung engine's entry goes stale and clients stop trusting it; `step` is its
   step count. `same_loads` compares two snapshots ignoring `ts`: a change means "load moved".
-- Waves (`WaveTracker`): `rs:wave` = W means waves below W are complete and W is current. Wave W
+- Waves (`WaveTracker`): `{rs}:wave` = W means waves below W are complete and W is current. Wave W
   has *started* once any live engine is busy, or reports that it is in wave W (or later). It is
   complete, and the counter advances to W + 1, when it has started and no live engine is busy.
   The tracker never goes backwards: it follows the highest of its own count, the stored counter
@@ -77,7 +77,7 @@ class EngineReport:
 
 
 def build_snapshot(reports: Iterable[EngineReport], now: float) -> dict[str, EngineLoad]:
-    """The `rs:lb` entries for `reports` (see the module rules); `now` stands in for a missing stats_at."""
+    """The `{rs}:lb` entries for `reports` (see the module rules); `now` stands in for a missing stats_at."""
     return {
         r.engine_id: EngineLoad(r.waiting, r.running, round(r.kv_usage, 4), r.step,
                                 r.stats_at if r.stats_at is not None else now)

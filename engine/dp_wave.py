@@ -1,21 +1,21 @@
 """Data-parallel waves on the engine side (vLLM's START_DP_WAVE), and lockstep dummy steps.
 
 Rules:
-- Only the coordinator writes the counter `rs:wave`; `rs:wave` = W means every wave below W is
+- Only the coordinator writes the counter `{rs}:wave`; `{rs}:wave` = W means every wave below W is
   complete. An engine is *in* wave `wave` (`running`) from the moment it gets work, or a
-  StartWave for that wave, until it reads `rs:wave` > `wave`.
-- An engine that gets work while it is not in a running wave joins wave max(its own, `rs:wave`)
+  StartWave for that wave, until it reads `{rs}:wave` > `wave`.
+- An engine that gets work while it is not in a running wave joins wave max(its own, `{rs}:wave`)
   and tells every other registered engine: StartWave(wave, exclude_engine=itself), XADDed with
   NOMKSTREAM (a departed engine's stream is not re-created). The server sends it from its output
   thread right after the stats that show this engine busy, so the coordinator never sees the
   others in the wave while this one still looks idle (it would close the wave at once).
-- A busy engine that reads `rs:wave` ahead of its wave (the coordinator closed the wave just as
+- A busy engine that reads `{rs}:wave` ahead of its wave (the coordinator closed the wave just as
   this engine's new work arrived) moves to the new wave and starts it for the others the same way.
-- While in a running wave, the engine reads `rs:wave` every `poll_interval` seconds (one GET);
+- While in a running wave, the engine reads `{rs}:wave` every `poll_interval` seconds (one GET);
   idle and behind it, it leaves the wave (running = False).
 - StartWave(w): w > wave -> join wave w; w == wave -> running; w < wave -> stale, ignored.
 - Lockstep (`--dp-lockstep` here, or the `lockstep` field the coordinator writes in
-  `rs:coordinator`): an idle engine in a running wave runs a dummy step every
+  `{rs}:coordinator`): an idle engine in a running wave runs a dummy step every
   `dummy_step_interval` seconds, so that a model whose layers hold collectives across DP ranks
   (MoE / expert parallelism) would find every rank stepping. The dummy step is an empty schedule
   through the executor: no KV cache is touched; with TP > 1 it is one broadcast to the workers.
@@ -24,8 +24,8 @@ Rules:
   A read blocks the busy loop for up to the client's timeout, so after a failed read the next one waits
   `RETRY_MIN` s, doubling up to `RETRY_MAX` while Redis stays unreachable (a cut link stalls a step
   at most once per backoff, not every `poll_interval`).
-  Nor does garbage: a `rs:wave` that is not a wave number (an int in [0, 2**63)) or not a string reads
-  as "no news" and a bad member of `rs:engines` gets no StartWave (both logged, rate-limited).
+  Nor does garbage: a `{rs}:wave` that is not a wave number (an int in [0, 2**63)) or not a string reads
+  as "no news" and a bad member of `{rs}:engines` gets no StartWave (both logged, rate-limited).
 """
 
 from __future__ import annotations

@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-replicas", type=int, default=int(os.environ.get("REDSERVE_REDIS_REPLICAS", 0)),
                    help="N >= 1: the embedded Redis runs as a primary, N replicas and three sentinels, and a "
                         "killed primary is replaced by a replica (README 'Redis replication'); 0: one server")
+    p.add_argument("--redis-cluster", type=int, default=int(os.environ.get("REDSERVE_REDIS_CLUSTER", 0)),
+                   help="N >= 1: the embedded Redis runs as a Redis Cluster of N primaries, keys and output "
+                        "channels sharded over them (README 'Redis Cluster'); 0: one server")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a child restarted this many times within --restart-window seconds that dies again "
                         "stops the stack (crash loop)")

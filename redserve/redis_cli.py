@@ -5,7 +5,8 @@ Rules:
   serve``'s stack file (`common.stack_state`); ``--admin`` takes the stack's admin URL instead (the
   embedded server's operator user, which may run CONFIG, FLUSHDB, SHUTDOWN, ...).
 - A ``redis+sentinel://`` URL is resolved to the primary the sentinels name now (`broker.connection.primary_url`):
-  redis-cli talks to one server.
+  redis-cli talks to one server. A ``redis+cluster://`` URL becomes its first node, with ``-c`` (redis-cli
+  follows the cluster's redirections).
 - The password reaches redis-cli in ``REDISCLI_AUTH`` (`redserve.redis_server.redis_cli_invocation`), never
   on its command line; everything after the options is passed to redis-cli as is (a command, or nothing
   for its prompt). The process is replaced by redis-cli (exec), so its exit code is redis-cli's.
@@ -48,13 +49,16 @@ def resolve_url(args: argparse.Namespace) -> str:
 def run_from_args(args: argparse.Namespace) -> int:
     import redis
 
-    from broker.connection import primary_url
+    from broker.connection import is_cluster_url, primary_url
     from redserve.redis_server import redis_cli_invocation
 
     try:
-        url = primary_url(resolve_url(args))
+        resolved = resolve_url(args)
+        url = primary_url(resolved)
     except redis.RedisError as e:
         sys.exit(f"redserve redis-cli: no sentinel named the primary: {e}")
     argv, extra_env = redis_cli_invocation(url)
+    if is_cluster_url(resolved):
+        argv.append("-c")  # follow MOVED redirections to the node that owns a key
     os.execve(argv[0], [*argv, *args.args], {**os.environ, **extra_env})
     return 1  # not reached

@@ -25,6 +25,11 @@ Rules:
 - Replication (``redserve serve --redis-replicas N``): every data node may become a replica (it is one when
   `ServerConfig.replica_of` is set) and authenticates to its primary as `ADMIN_USER`; full syncs go over the
   socket at once (``repl-diskless-sync`` with no delay), since there is no disk copy to send anyway.
+- Cluster nodes (``redserve serve --redis-cluster N``, `ServerConfig.cluster_port` set): ``cluster-enabled yes``
+  with the bus on `cluster_port` and the nodes file at `cluster_config_file` (kept by the launcher across a
+  restart, so a node comes back with its id and slots); a node is failing after ``cluster-node-timeout``
+  (`CLUSTER_NODE_TIMEOUT_MS`); with a slot uncovered the cluster refuses commands, sharded pub/sub included.
+  `APP_USER` may read the topology (CLUSTER SLOTS / SHARDS / NODES / INFO / KEYSLOT / MYID) but changes none.
 - Sentinels (`render_sentinel`): same ACL users and passwords as the data nodes, but `APP_USER` may only ask
   where the primary and replicas are (`SENTINEL_APP_RULES`: no SENTINEL FAILOVER/SET/REMOVE/RESET/CONFIG);
   sentinels talk to each other and to the data nodes as `ADMIN_USER`. A primary is down after
@@ -40,6 +45,7 @@ APP_USER = "redserve"
 ADMIN_USER = "admin"
 DEFAULT_MAXMEMORY = "1gb"
 PUBSUB_OUTPUT_BUFFER_LIMIT = "256mb 64mb 60"
+CLUSTER_NODE_TIMEOUT_MS = 2000
 
 APP_USER_RULES = "~* &* +@all -@dangerous +info -script|kill -script|flush -function -acl"
 """The application user's command and key rules (ACL SETUSER syntax, after its password)."""
@@ -63,8 +69,12 @@ class ServerConfig:
     maxmemory: str = DEFAULT_MAXMEMORY
     proc_title: str | None = "redserve-redis {listen-addr}"
     replica_of: tuple[str, int] | None = None
+    cluster_port: int | None = None
+    cluster_config_file: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.cluster_port is None) != (self.cluster_config_file is None):
+            raise ValueError("a cluster node needs both its bus port and its nodes file")
         for password in (self.app_password, self.admin_password):
             if not password or any(c.isspace() or c in "\"'\\" for c in password):
                 raise ValueError("Redis passwords must be non-empty, without spaces, quotes or backslashes")
@@ -96,6 +106,10 @@ def render(config: ServerConfig) -> str:
               "repl-diskless-sync-delay 0"]
     if config.replica_of is not None:
         lines.append(f"replicaof {config.replica_of[0]} {config.replica_of[1]}")
+    if config.cluster_port is not None:
+        lines += ["cluster-enabled yes", f"cluster-port {config.cluster_port}",
+                  f'cluster-config-file "{config.cluster_config_file}"', f"cluster-node-timeout {CLUSTER_NODE_TIMEOUT_MS}",
+                  "cluster-require-full-coverage yes", "cluster-allow-pubsubshard-when-down no"]
     return "\n".join(lines) + "\n"
 
 

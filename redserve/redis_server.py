@@ -188,9 +188,11 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, unix_socket: bool = False, startup_timeout: float = 10.0,
                  maxmemory: str = DEFAULT_MAXMEMORY, server_binary: str | None = None,
                  passwords: dict[str, str] | None = None, replica_of: tuple[str, int] | None = None,
-                 sentinel_of: tuple[str, int] | None = None) -> None:
+                 sentinel_of: tuple[str, int] | None = None, cluster_config_file: str | None = None) -> None:
         if sentinel_of is not None and (replica_of is not None or unix_socket):
             raise ValueError("a sentinel listens on TCP and replicates nothing")
+        if cluster_config_file is not None and (sentinel_of is not None or unix_socket):
+            raise ValueError("a cluster node is a data node on TCP")
         self._requested_port = port
         self._unix_socket = unix_socket
         self._startup_timeout = startup_timeout
@@ -199,6 +201,8 @@ class EmbeddedRedis:
         self._passwords = passwords or new_passwords()
         self.replica_of = replica_of
         self.sentinel_of = sentinel_of
+        self.cluster_config_file = cluster_config_file
+        self._cluster_port: int | None = None  # chosen at the first start, kept across restarts
         self._port: int | None = None
         self._restart_port: int | None = None
         self._tmpdir: str | None = None
@@ -235,6 +239,11 @@ class EmbeddedRedis:
         if self._port is None:
             raise RuntimeError("EmbeddedRedis has no TCP address (not started, or a unix socket)")
         return "127.0.0.1", self._port
+
+    @property
+    def cluster_port(self) -> int | None:
+        """The cluster bus port of a cluster node once started (kept across restarts)."""
+        return self._cluster_port
 
     @property
     def passwords(self) -> dict[str, str]:
@@ -337,9 +346,12 @@ class EmbeddedRedis:
             text = render_sentinel(SentinelConfig(port=port, directory=self._tmpdir, logfile=logfile, app_password=app,
                                                   admin_password=admin, primary=self.sentinel_of))
         else:
+            if self.cluster_config_file is not None and self._cluster_port is None:
+                self._cluster_port = _free_port()
             text = render(ServerConfig(port=port, directory=self._tmpdir, logfile=logfile, app_password=app,
                                        admin_password=admin, unix_socket=self.socket_path, maxmemory=self._maxmemory,
-                                       replica_of=self.replica_of))
+                                       replica_of=self.replica_of, cluster_port=self._cluster_port,
+                                       cluster_config_file=self.cluster_config_file))
         config_path = os.path.join(self._tmpdir, "redis.conf")
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -19,6 +19,10 @@ Rules:
   `RedisWatch` (children ``redis-0`` .. ``redis-N``, ``sentinel-0`` .. ``sentinel-2``): a dead data node
   comes back as a replica of the current primary once the sentinels have replaced it, a dead sentinel
   watching the current primary. The stack file lists the nodes (``redis_nodes``).
+- ``--redis-cluster N`` (N >= 1, embedded only) runs a Redis Cluster of N primaries instead
+  (`redserve.redis_cluster`); every child gets a ``redis+cluster://`` URL. Each node has its own `RedisWatch`
+  (children ``redis-0`` .. ``redis-{N-1}``): a dead node comes back on its ports with its nodes file, so with
+  its slots (empty). The stack file lists the nodes.
 - Ctrl-C / SIGTERM stops the API and the batch worker first, then the engines (they drain), then the
   coordinator, then Redis, each child within a deadline (`STOP_TIMEOUTS`; engines: drain timeout + 10 s)
   after which it is named in the log and SIGKILLed with its process group. A second Ctrl-C / SIGTERM
@@ -54,6 +58,7 @@ from common.proctitle import set_title
 from common.stack_state import StackState, remove_stack_state, write_stack_state
 from redserve.devices import engine_device_env
 from redserve.model_arg import resolve_model
+from redserve.redis_cluster import ClusterRedis
 from redserve.redis_replicas import ReplicatedRedis
 from redserve.redis_server import EmbeddedRedis
 from redserve.supervisor import Child, ChildSpec, CrashLoop, RestartPolicy, Supervisor, describe_exit
@@ -158,6 +163,7 @@ class Stack:
         self.keys = RedisKeys(args.key_prefix)
         self.redis: EmbeddedRedis | None = None
         self.replicated: ReplicatedRedis | None = None
+        self.cluster: ClusterRedis | None = None
         self.supervisor = Supervisor(restart_policy(args), on_restart=self._count_restart)
         self.stopping = False
         self.ready = False
@@ -170,11 +176,18 @@ class Stack:
         if getattr(args, "redis_replicas", 0) and args.redis_url:
             raise ValueError("--redis-replicas starts an embedded replicated Redis; with --redis-url point at your "
                              "own Sentinel deployment instead (a redis+sentinel:// URL)")
+        if getattr(args, "redis_cluster", 0) < 0:
+            raise ValueError(f"--redis-cluster must be >= 0, got {args.redis_cluster}")
+        if getattr(args, "redis_cluster", 0) and (args.redis_url or getattr(args, "redis_replicas", 0)):
+            raise ValueError("--redis-cluster starts an embedded cluster: it goes with neither --redis-replicas nor "
+                             "--redis-url (point at your own cluster with a redis+cluster:// URL instead)")
 
     def start(self) -> None:
         args = self.args
         resolve_model(args)
-        if not args.redis_url and getattr(args, "redis_replicas", 0):
+        if not args.redis_url and getattr(args, "redis_cluster", 0):
+            self._start_cluster(args.redis_cluster)
+        elif not args.redis_url and getattr(args, "redis_replicas", 0):
             self._start_replicated(args.redis_replicas)
         elif not args.redis_url:
             self.redis = EmbeddedRedis().start()
@@ -212,12 +225,20 @@ class Stack:
         logger.info("started embedded Redis with %d replica(s) and %d sentinels at %s (inspect it with "
                     "`redserve redis-cli`)", replicas, len(rr.sentinels), mask_url(rr.url))
 
+    def _start_cluster(self, primaries: int) -> None:
+        self.cluster = rc = ClusterRedis(primaries).start()
+        self.args.redis_url = rc.url
+        self._node_watches = [RedisWatch(node, self.supervisor, self._count_restart, name)
+                              for name, node in rc.nodes.items()]
+        logger.info("started an embedded Redis Cluster of %d primaries at %s (inspect it with `redserve redis-cli`)",
+                    primaries, mask_url(rc.url))
+
     def _write_state(self) -> None:
         args = self.args
         names = [args.served_model_name] if args.served_model_name else []
-        embedded = self.replicated or self.redis
+        embedded = self.replicated or self.cluster or self.redis
         admin_url = embedded.admin_url if embedded is not None else None
-        nodes = self.replicated.describe() if self.replicated is not None else []
+        nodes = embedded.describe() if embedded is not None and embedded is not self.redis else []
         write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names, admin_redis_url=admin_url,
                                      redis_nodes=nodes))
 
@@ -252,7 +273,7 @@ class Stack:
                 for watch in self._watches():
                     restarts = len(watch.record.restarts)
                     watch.check()
-                    if len(watch.record.restarts) != restarts and self.replicated is not None:
+                    if len(watch.record.restarts) != restarts and self.redis is None:
                         self._write_state()  # new pids
                 self.supervisor.check()
             except CrashLoop as e:
@@ -294,6 +315,8 @@ class Stack:
             self.redis.stop()
         if self.replicated is not None:
             self.replicated.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         logger.info("stack stopped")
 
 

@@ -1,11 +1,12 @@
 """``redserve status``: what a running deployment looks like in Redis, in one screen.
 
-Reads only (never writes): the coordinator (lock holder, lock TTL, `rs:coordinator`), the wave,
+Reads only (never writes): the coordinator (lock holder, lock TTL, `{rs}:coordinator`), the wave,
 every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL left, wave, request
-stream length and pending count, its `rs:lb` entry, its prefix-cache hit rate, the size of its prefix
+stream length and pending count, its `{rs}:lb` entry, its prefix-cache hit rate, the size of its prefix
 index and how often the API routed to it for its cache or for its load), engines recently declared dead (their hashes are
 kept a while), and the clients (API processes, Celery workers) with their heartbeats. Behind sentinels
-(a ``redis+sentinel://`` URL) it also names the primary and the healthy replicas the sentinels see.
+(a ``redis+sentinel://`` URL) it also names the primary and the healthy replicas the sentinels see; on a
+cluster (``redis+cluster://``), its primaries.
 `--json` prints the same as one JSON object. Imports no torch.
 
 Garbage in Redis (a malformed id in a set, a key of the wrong type, a field that is not a number) is
@@ -120,11 +121,12 @@ def _worker_hosts(reply: Any, key: str) -> dict[str, Any] | None:
 
 def _dead_engines(r: redis.Redis, keys: RedisKeys, registered: set[str]) -> list[dict[str, Any]]:
     pattern = keys.engine("*")
+    head, tail = pattern.split("*")
     found = []
     for raw in r.scan_iter(match=pattern, _type="HASH", count=500):
         key = utf8(raw) or ""
         try:
-            engine_id = check_id("engine", key[len(pattern) - 1:])
+            engine_id = check_id("engine", key[len(head):len(key) - len(tail)])
         except ValueError as e:
             warn_bad(f"{raw!r}:engine-key", "ignoring %r: %s", raw, e)
             continue
@@ -170,9 +172,9 @@ def format_status(s: dict[str, Any]) -> str:
         coord = (f"{c['holder']} (pid {c.get('pid', '?')} on {c.get('host', '?')}), lock TTL {c['lock_ttl_s']}s, "
                  f"lockstep {'on' if c.get('lockstep') == 1 else 'off'}")
         if isinstance(c.get("lb_written_at"), (int, float)):
-            coord += f", rs:lb written {time.time() - c['lb_written_at']:.1f}s ago"
+            coord += f", {{rs}}:lb written {time.time() - c['lb_written_at']:.1f}s ago"
     else:
-        coord = "none active (no lock holder): rs:lb and rs:wave are not being updated"
+        coord = "none active (no lock holder): {rs}:lb and {rs}:wave are not being updated"
     wave = "? (not a wave number)" if s["wave"] is None else s["wave"]
     lines = [f"prefix {s['prefix']!r}   wave {wave}", f"coordinator: {coord}", "",
              f"engines ({len(s['engines'])}):"]
@@ -212,12 +214,12 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _topology(redis_url: str) -> dict | None:
-    from broker.connection import connect, replication_topology
+def _topology(redis_url: str) -> dict | list[str] | None:
+    from broker.connection import cluster_topology, connect, replication_topology
 
     client = connect(redis_url, retries=1)
     try:
-        return replication_topology(client)
+        return cluster_topology(client) or replication_topology(client)
     except redis.RedisError as e:
         return {"error": str(e), "master_name": "?", "primary": "?", "replicas": []}
     finally:
@@ -238,7 +240,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     status["redis_url"] = url
     header = f"redis {url}   "
     topology = _topology(args.redis_url)
-    if topology is not None:
+    if isinstance(topology, list):
+        status["redis_cluster"] = topology
+        header += f"(cluster of {len(topology)} primaries: {', '.join(topology)})   "
+    elif topology is not None:
         status["redis_replication"] = topology
         header += (f"(sentinel master {topology['master_name']}: primary {topology['primary']}, replicas "
                    f"{', '.join(topology['replicas']) or 'none'})   ")

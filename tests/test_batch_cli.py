@@ -44,9 +44,9 @@ def parse(*argv: str):
 
 def test_batch_keys_layout() -> None:
     keys = RedisKeys("rs")
-    assert keys.batch_results("b1") == "rs:batch:b1:results"
-    assert keys.batch_claims("b1") == "rs:batch:b1:claims"
-    assert keys.celery() == "rs:celery:"
+    assert keys.batch_results("b1") == "{rs}:batch:b1:results"
+    assert keys.batch_claims("b1") == "{rs}:batch:b1:claims"
+    assert keys.celery() == "{rs}:celery:"
     with pytest.raises(ValueError):
         keys.batch_claims("a:b")
 
@@ -95,10 +95,10 @@ def test_celery_settings_are_reliable_and_prefixed() -> None:
     app = tasks.configure(tasks.BatchSettings("redis://127.0.0.1:1/3", key_prefix="px", visibility_timeout=30))
     conf = app.conf
     assert conf.broker_url == conf.result_backend == "redis://127.0.0.1:1/3"
-    assert conf.broker_transport_options["global_keyprefix"] == "px:celery:"
+    assert conf.broker_transport_options["global_keyprefix"] == "{px}:celery:"
     assert conf.broker_transport_options["visibility_timeout"] == 30
     assert conf.broker_transport_options["unacked_restore_interval"] == 3
-    assert conf.result_backend_transport_options == {"global_keyprefix": "px:celery:"}
+    assert conf.result_backend_transport_options == {"global_keyprefix": "{px}:celery:"}
     assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.worker_prefetch_multiplier == 1
     assert conf.accept_content == ["json"] and conf.task_serializer == "json"
     task = app.tasks[tasks.TASK_NAME]

@@ -74,21 +74,21 @@ GARBAGE = {
         "stats_at": "inf", "pid": "12.5"}),
     "fields not UTF-8 on the good engine": lambda r, k: r.hset(k.engine("0"), mapping={
         b"\xff": "x", "model": b"\xff\xfe", "host": b"\xc3"}),
-    "rs:lb of the wrong type": lambda r, k: r.set(k.lb(), "notahash"),
-    "bad entries in rs:lb": lambda r, k: r.hset(k.lb(), mapping={
+    "{rs}:lb of the wrong type": lambda r, k: r.set(k.lb(), "notahash"),
+    "bad entries in {rs}:lb": lambda r, k: r.hset(k.lb(), mapping={
         "0": "{not json", "a:b": "{}", b"\xff": "{}", "1": "[1, 2]", "2": '{"waiting": 1e999}',
         "3": '{"running": -1}', "4": '{"ts": NaN}', "5": "[" * 100_000, "6": b"\xff\xfe", "7": '{"waiting": "3"}',
         "8": '{"step": true}', "9": '{"kv_usage": Infinity}'}),
-    "rs:wave not a number": lambda r, k: r.set(k.wave(), "abc"),
-    "rs:wave negative": lambda r, k: r.set(k.wave(), -4),
-    "rs:wave too large": lambda r, k: r.set(k.wave(), 10**30),
-    "rs:wave not UTF-8": lambda r, k: r.set(k.wave(), b"\xff"),
-    "rs:wave of the wrong type": lambda r, k: r.hset(k.wave(), "a", "b"),
-    "rs:coordinator of the wrong type": lambda r, k: r.set(k.coordinator(), "x"),
-    "bad fields in rs:coordinator": lambda r, k: r.hset(k.coordinator(), mapping={
+    "{rs}:wave not a number": lambda r, k: r.set(k.wave(), "abc"),
+    "{rs}:wave negative": lambda r, k: r.set(k.wave(), -4),
+    "{rs}:wave too large": lambda r, k: r.set(k.wave(), 10**30),
+    "{rs}:wave not UTF-8": lambda r, k: r.set(k.wave(), b"\xff"),
+    "{rs}:wave of the wrong type": lambda r, k: r.hset(k.wave(), "a", "b"),
+    "{rs}:coordinator of the wrong type": lambda r, k: r.set(k.coordinator(), "x"),
+    "bad fields in {rs}:coordinator": lambda r, k: r.hset(k.coordinator(), mapping={
         "lockstep": "x", "lb_written_at": "nan", "holder": 5, "pid": b"\xff"}),
     "malformed client ids": lambda r, k: r.sadd(k.clients(), "a:b", b"\xff", "c d"),
-    "rs:clients of the wrong type": lambda r, k: r.set(k.clients(), "x"),
+    "{rs}:clients of the wrong type": lambda r, k: r.set(k.clients(), "x"),
 }
 
 
@@ -108,7 +108,7 @@ def coordinator(r: redis.Redis, keys: RedisKeys) -> Coordinator:
 
 
 def lb_written_at(r: redis.Redis, keys: RedisKeys) -> float:
-    """When the coordinator last wrote rs:lb (0 while rs:coordinator holds garbage)."""
+    """When the coordinator last wrote {rs}:lb (0 while {rs}:coordinator holds garbage)."""
     if r.type(keys.coordinator()) != b"hash":
         return 0.0
     return float(r.hget(keys.coordinator(), "lb_written_at") or 0)
@@ -163,8 +163,8 @@ def test_every_reader_skips_the_garbage_and_keeps_the_good_engine(garbage, redis
     for _ in range(3):
         c.step()
     assert c.active
-    assert sorted(read_lb_snapshot(r, keys)) == ["0"]  # the coordinator rewrote rs:lb whole
-    assert r.get(keys.wave()).isdigit()  # and rs:wave, if it held garbage
+    assert sorted(read_lb_snapshot(r, keys)) == ["0"]  # the coordinator rewrote {rs}:lb whole
+    assert r.get(keys.wave()).isdigit()  # and {rs}:wave, if it held garbage
     c.resign()
 
 

@@ -54,14 +54,14 @@ def test_coordinator_loop_survives_garbage_and_its_own_errors(redis_client, redi
     loop = threading.Thread(target=c.run, args=(stop,), daemon=True)
     loop.start()
     try:
-        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "the coordinator to write rs:lb")
+        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "the coordinator to write {rs}:lb")
         assert failures[0] == 0 and loop.is_alive()
         for _ in range(2):  # garbage again, in its own keys too: each time it rewrites them
             written = lb_written_at(r, keys)
             add_all_garbage(r, keys)
             r.set(keys.wave(), "zzz")
             poll(lambda w=written: lb_written_at(r, keys) > w and r.get(keys.wave()) == b"0"
-                 and sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "rs:lb, rs:wave, rs:coordinator rewritten")
+                 and sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "{rs}:lb, {rs}:wave, {rs}:coordinator rewritten")
         assert loop.is_alive()
     finally:
         stop.set()
@@ -76,11 +76,11 @@ def test_coordinator_process_keeps_running_with_garbage(redis_url, redis_client,
     proc = subprocess.Popen(quiet_cli("coordinator", "--redis-url", redis_url, "--key-prefix", keys.prefix,
                                       "--lock-ttl", "1.5"))
     try:
-        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 20, "the coordinator to write rs:lb")
+        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 20, "the coordinator to write {rs}:lb")
         written = lb_written_at(r, keys)
         add_all_garbage(r, keys)
         poll(lambda: lb_written_at(r, keys) > written and sorted(read_lb_snapshot(r, keys)) == ["0"], 10,
-             "rs:lb rewritten")
+             "{rs}:lb rewritten")
         assert proc.poll() is None
     finally:
         if proc.poll() is None:
@@ -159,7 +159,7 @@ def test_garbage_on_the_output_channel_is_dropped_and_the_request_goes_on(redis_
 
 
 def add_stack_garbage(r: redis.Redis, keys: RedisKeys) -> None:
-    """What the issue reported, and more: a malformed engine id, a bogus engine, rs:lb and rs:wave garbage."""
+    """What the issue reported, and more: a malformed engine id, a bogus engine, {rs}:lb and {rs}:wave garbage."""
     r.sadd(keys.engines(), "a:b", b"\xff")
     fake_ready(r, keys, "bogus", max_model_len="lots", waiting="many")
     r.set(keys.lb(), "notahash")
@@ -207,7 +207,7 @@ def test_stack_serves_through_garbage_and_health_says_why_it_cannot(garbage_stac
             assert requests.get(f"{base}/health", timeout=10).status_code == 200
             served += 1
         poll(lambda: r.xlen(keys.request_stream("0")) == 0, 10, "the engine to drop the bad stream entries")
-        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "the coordinator to rewrite rs:lb")
+        poll(lambda: sorted(read_lb_snapshot(r, keys)) == ["0"], 10, "the coordinator to rewrite {rs}:lb")
         assert coordinator_proc.poll() is None and stack.engine.poll() is None
 
         stack.stop_engine()

@@ -339,7 +339,7 @@ def test_coordinator_process_failover_keeps_the_snapshot_fresh(redis_url, redis_
         assert time.monotonic() - killed_at < 5
         engine.stats(waiting=2, running=1, steps=3)
         poll(lambda: read_lb_snapshot(redis_client, redis_keys).get("0", EngineLoad()).waiting == 2, 5,
-             "the new coordinator to refresh rs:lb")
+             "the new coordinator to refresh {rs}:lb")
         written = float(redis_client.hget(redis_keys.coordinator(), "lb_written_at"))
         time.sleep(1.5)  # idle: it still rewrites the snapshot about every second
         assert float(redis_client.hget(redis_keys.coordinator(), "lb_written_at")) > written

@@ -196,7 +196,7 @@ def test_kill_9_under_load_completes_or_fails_every_request(stack):
     poll(lambda: stack.redis.hget(stack.keys.engine("1"), "state") == b"dead", 15, "engine 1 marked dead")
     assert not stack.redis.sismember(stack.keys.engines(), "1")
     assert not stack.redis.exists(stack.keys.request_stream("1"))
-    poll(lambda: set(stack.redis.hkeys(stack.keys.lb())) == {b"0"}, 5, "rs:lb without engine 1")
+    poll(lambda: set(stack.redis.hkeys(stack.keys.lb())) == {b"0"}, 5, "{rs}:lb without engine 1")
     after = stack.submit(max_tokens=4)
     assert after.engine_id == "0" and _finish(after)[1] == "length"
 

@@ -30,8 +30,8 @@ def redis_cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_runs_commands_as_the_app_user_from_the_stack_file(stack_file):
-    assert redis_cli("SADD", "rs:engines", "0").stdout.strip() == "1"
-    assert redis_cli("SMEMBERS", "rs:engines").stdout.strip() == "0"
+    assert redis_cli("SADD", "{rs}:engines", "0").stdout.strip() == "1"
+    assert redis_cli("SMEMBERS", "{rs}:engines").stdout.strip() == "0"
     for command in (["CONFIG", "GET", "maxmemory"], ["FLUSHALL"], ["ACL", "WHOAMI"]):
         denied = redis_cli(*command)
         assert "NOPERM" in denied.stdout + denied.stderr, command

@@ -56,7 +56,7 @@ NEEDED = [
     ["LPUSH", "q", "m"], ["RPUSH", "q", "m"], ["BRPOP", "q", "1"], ["LRANGE", "q", "0", "-1"], ["LREM", "q", "0", "m"],
     ["ZADD", "z", "1", "m"], ["ZRANGEBYSCORE", "z", "0", "1"], ["ZREM", "z", "m"],
     # the README's redis-cli inspection commands
-    ["SMEMBERS", "rs:engines"], ["HGET", "h", "f"], ["TTL", "k"], ["XINFO", "GROUPS", "s"],
+    ["SMEMBERS", "{rs}:engines"], ["HGET", "h", "f"], ["TTL", "k"], ["XINFO", "GROUPS", "s"],
     ["XPENDING", "s", "g", "-", "+", "10"], ["PUBSUB", "CHANNELS", "rs:out:*"], ["SCAN", "0", "MATCH", "rs:*"],
 ]
 

@@ -20,6 +20,7 @@ from conftest import ApiStack
 from stack_procs import poll
 
 from broker.connection import connect, parse_sentinel_url, sentinel_url
+from broker.keys import RedisKeys
 from redserve.redis_replicas import ReplicatedRedis
 from redserve.stack import RedisWatch
 from redserve.supervisor import RestartPolicy, Supervisor
@@ -142,11 +143,11 @@ def test_primary_killed_mid_stream_fails_over_and_every_stream_completes(replica
         r = connect(rr.url)
         os.kill(stack.engine.pid, signal.SIGSTOP)
         try:
-            before = r.xlen("rs:req:0")
+            before = r.xlen(RedisKeys().request_stream("0"))
             body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
             queued.extend(ThreadPoolExecutor(2).submit(requests.post, f"{stack.base_url}/v1/completions",
                                                        json=body, timeout=60) for _ in range(2))
-            poll(lambda: r.xlen("rs:req:0") >= before + 2, 10, "two requests queued")
+            poll(lambda: r.xlen(RedisKeys().request_stream("0")) >= before + 2, 10, "two requests queued")
             os.kill(primary_node.pid, signal.SIGKILL)
         finally:
             os.kill(stack.engine.pid, signal.SIGCONT)

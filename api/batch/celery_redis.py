@@ -15,6 +15,12 @@ Rules:
     backend: ``sentinel://[USER:PASS@]H1:P1/DB;sentinel://[USER:PASS@]H2:P2/DB``, and
     `celery_transport_options` gives the ``master_name`` and the sentinels' credentials (``sentinel_kwargs``),
     to merge into ``broker_transport_options`` and ``result_backend_transport_options``.
+  - ``redis+cluster://...``: Celery has no Redis Cluster transport. Every Celery key starts with
+    ``RedisKeys.celery()``, which carries the control hash tag (``{rs}:celery:``), so all of them live in one
+    slot: Celery gets the plain ``redis://`` URL of the primary owning that slot when the app is configured
+    (`celery_redis_settings(url, route_key=...)`). Limitation: a batch worker keeps that node; if the slot
+    moves (resharding, a replica promoted in an existing deployment), Celery's commands fail with MOVED and
+    the batch workers must be restarted. Without `route_key` a cluster URL is only checked ({} returned).
 """
 
 from __future__ import annotations
@@ -23,14 +29,26 @@ import ssl
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
-from broker.connection import is_sentinel_url, parse_sentinel_url
+from broker.connection import (
+    is_cluster_url,
+    is_sentinel_url,
+    node_url_for_key,
+    parse_cluster_url,
+    parse_sentinel_url,
+)
 
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 _SSL_PATHS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
-def celery_redis_settings(url: str) -> dict[str, Any]:
-    """``broker_url``, ``result_backend``, ``broker_use_ssl`` and ``redis_backend_use_ssl`` for `url`."""
+def celery_redis_settings(url: str, route_key: str | None = None) -> dict[str, Any]:
+    """``broker_url``, ``result_backend``, ``broker_use_ssl`` and ``redis_backend_use_ssl`` for `url` (for a
+    cluster URL: of the node owning `route_key`, see the module rules)."""
+    if is_cluster_url(url):
+        parse_cluster_url(url)
+        if route_key is None:
+            return {}
+        url = node_url_for_key(url, route_key)
     if is_sentinel_url(url):
         s = parse_sentinel_url(url)
         auth = "" if s.password is None else f"{quote(s.username or '', safe='')}:{quote(s.password, safe='')}@"

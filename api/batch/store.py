@@ -2,26 +2,26 @@
 
 Layout, for prefix "rs" and batch id B:
 
-    rs:batch:B             hash  id, status (in_progress | completed), total, completed, failed,
+    {rs}:batch:B             hash  id, status (in_progress | completed), total, completed, failed,
                                  chunk_size, num_chunks, created_at, progress_at (last result),
                                  completed_at, expires_at, input_file
-    rs:batch:B:items       list  the input lines, item i at index i (LRANGE reads one chunk)
-    rs:batch:B:results     hash  item index -> output line (JSON); written once, by HSETNX
-    rs:batch:B:claims      hash  item index -> client id of the worker generating that item now
-    rs:batches             set   ids of batches in progress (for `api.batch.sweeper`)
+    {rs}:batch:B:items       list  the input lines, item i at index i (LRANGE reads one chunk)
+    {rs}:batch:B:results     hash  item index -> output line (JSON); written once, by HSETNX
+    {rs}:batch:B:claims      hash  item index -> client id of the worker generating that item now
+    {rs}:batches             set   ids of batches in progress (for `api.batch.sweeper`)
 
 Rules:
 - Every key of a batch expires at ``expires_at`` (submission + ttl, default 7 days).
 - An item is generated only by the holder of its claim. `claim` gives it to the caller when nobody
   holds it, when the caller already holds it, or when the holder is dead (its broker-client heartbeat
-  ``rs:client:{id}:alive`` has expired); it answers DONE once the item has a result, HELD while a live
+  ``{rs}:client:{id}:alive`` has expired); it answers DONE once the item has a result, HELD while a live
   worker holds it, GONE once the batch no longer exists. Claims are compare-and-set in a Lua script.
 - `record` writes an item's result at most once (HSETNX) and, in the same script, counts it
   (completed or failed), sets progress_at, drops its claim and, when every item has a result, marks
-  the batch completed and takes it out of ``rs:batches``. A second record of the same item changes
+  the batch completed and takes it out of ``{rs}:batches``. A second record of the same item changes
   nothing and returns False.
 - `create` writes the items in pipelined pages of `PAGE` lines, then the batch hash (and adds the id
-  to ``rs:batches``): a batch whose hash exists has all its items.
+  to ``{rs}:batches``): a batch whose hash exists has all its items.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ redelivery ever comes for that chunk.
 
 Rules:
 - Every `interval` seconds at most one process of the deployment sweeps: the one that wins the
-  ``SET NX PX`` lock ``rs:batches:sweeper`` (it expires after `interval`, so it also spaces sweeps out).
-- A batch in ``rs:batches`` is stalled when all of these hold: no result was recorded for `stall_after`
+  ``SET NX PX`` lock ``{rs}:batches:sweeper`` (it expires after `interval`, so it also spaces sweeps out).
+- A batch in ``{rs}:batches`` is stalled when all of these hold: no result was recorded for `stall_after`
   seconds (the visibility timeout: Celery's redelivery had its chance), no live worker holds one of its
   items, and the Celery queue is empty (so its chunks are not just waiting their turn). Its incomplete
   chunks are queued again and its progress_at is reset, so the next try comes `stall_after` later.
 - Chunk runs are idempotent (`api.batch.chunk`): a chunk delivered twice costs a skip, never a second
-  generation. Batches that completed or expired leave ``rs:batches``.
+  generation. Batches that completed or expired leave ``{rs}:batches``.
 """
 
 from __future__ import annotations

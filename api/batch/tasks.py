@@ -2,8 +2,8 @@
 
 Rules:
 - Broker and result backend are the stack's Redis (its redis://, rediss:// or unix:// URL, translated for
-  Celery by `api.batch.celery_redis`). Every Celery key lives under
-  ``RedisKeys.celery()`` (``rs:celery:``, kombu's ``global_keyprefix``), the queue is `QUEUE`, so
+  Celery by `api.batch.celery_redis`; on a cluster, the node that owns the Celery keys' slot). Every Celery
+  key lives under ``RedisKeys.celery()`` (``{rs}:celery:``, kombu's ``global_keyprefix``), the queue is `QUEUE`, so
   Celery shares a Redis database with the stack without touching its keys. Messages and results
   are JSON (never pickle): a task message is only ``(batch_id, chunk)``; the items stay in Redis.
 - Reliability: ``acks_late`` + ``reject_on_worker_lost``: a task is acknowledged when it has finished;
@@ -133,7 +133,7 @@ def configure(settings: BatchSettings) -> Celery:
     prefix = settings.keys.celery()
     sentinel = celery_transport_options(settings.redis_url)
     app.conf.update(
-        **celery_redis_settings(settings.redis_url),
+        **celery_redis_settings(settings.redis_url, route_key=prefix),
         broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": settings.visibility_timeout,
                                   "unacked_restore_interval": settings.restore_interval,
                                   "unacked_restore_throttle": 1, **sentinel},

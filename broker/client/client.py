@@ -5,7 +5,7 @@ Rules:
   workers, so build it lazily in the worker (`start()` is idempotent and `submit` calls it).
   Using a client started in another process raises RuntimeError. All methods are thread-safe.
 - `start()` runs two threads: a maintenance thread (`broker.client.liveness`) that refreshes a
-  heartbeat key `rs:client:{id}:alive` (TTL `heartbeat_ttl`), and one listener thread
+  heartbeat key `{rs}:client:{id}:alive` (TTL `heartbeat_ttl`), and one listener thread
   (`broker.client.listener`) subscribed once to `rs:out:{id}`; it demuxes `EngineOutputs` into
   per-request mailboxes. `submit` registers the mailbox BEFORE the XADD, and only while subscribed.
 - The state shared by the caller threads, the listener and the maintenance thread (mailboxes, calls,

@@ -1,8 +1,9 @@
 """The output listener thread of a `BrokerClient` (see the rules in `broker.client.client`).
 
-It subscribes once to `rs:out:{client_id}` and hands each `EngineOutputs` to the client's in-flight table
-(`InFlightTable.deliver`: duplicates dropped, a skipped seq fails that engine's requests with output_lost,
-continuations renamed to their request, engine_failed outputs declare the engine gone). When the
+It subscribes once to `rs:out:{client_id}` (sharded pub/sub on a cluster, `broker.channels`) and hands each
+`EngineOutputs` to the client's in-flight table (`InFlightTable.deliver`: duplicates dropped, a skipped seq
+fails that engine's requests with output_lost, continuations renamed to their request, engine_failed outputs
+declare the engine gone). When the
 subscription drops it tells the table (`lose_subscription`: unstarted requests wait to be sent again, started
 ones that may move wait to be resumed from their delivered tokens, the rest and every utility call fail with
 broker_disconnected) and resubscribes with backoff (capped at 2 s, 0.25 s behind sentinels).
@@ -19,9 +20,10 @@ from collections.abc import Callable
 
 import redis
 
+from broker.channels import Subscriber
 from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
-from broker.connection import connect, is_sentinel_url
+from broker.connection import is_sentinel_url
 from broker.log_limits import warn_every
 from protocol.messages import EngineOutputs, MessageError, decode
 
@@ -49,9 +51,9 @@ class OutputListener:
     def run(self, stopping: threading.Event) -> None:
         failures = 0
         while not stopping.is_set():
-            pubsub_client = connect(self._redis_url, retries=0, client_name=f"redserve-listener-{self._client_id}")
-            pubsub = pubsub_client.pubsub()
+            pubsub = None
             try:
+                pubsub = Subscriber(self._redis_url, self._channel, f"redserve-listener-{self._client_id}")
                 pubsub.subscribe(self._channel)
                 while not stopping.is_set():
                     msg = pubsub.get_message(timeout=0.2)
@@ -68,8 +70,8 @@ class OutputListener:
                 stopping.wait(min(self._backoff_cap, 0.05 * 2**failures))
             finally:
                 self._table.set_subscribed(False)
-                pubsub.close()
-                pubsub_client.close()
+                if pubsub is not None:
+                    pubsub.close()
 
     def _on_subscription_lost(self, error: Exception, failures: int) -> None:
         client_id = self._client_id

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import redis
 
+from broker.channels import subscriber_counts
 from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.client.migration import Migrator
@@ -75,6 +76,7 @@ class Maintenance:
         self._client_id = sender.client_id
         self._migrator = Migrator(table, selector, sender, settings.max_migrations, on_migration)
         self._absent: set[tuple[str, str]] = set()  # (engine, incarnation) with no presence at the last read
+        self._presence_failed_at = float("-inf")  # monotonic time a presence read last failed
         self._aborts_waiting_since: dict[str, float] = {}  # engine -> when its deferred ABORTs first found it not live
 
     def run(self, stopping: threading.Event) -> None:
@@ -113,14 +115,17 @@ class Maintenance:
             logger.warning("client %s: heartbeat failed: %s", self._client_id, e)
             return
         for reply in replies:
-            if isinstance(reply, redis.RedisError):  # e.g. WRONGTYPE: rs:clients is not a set
+            if isinstance(reply, redis.RedisError):  # e.g. WRONGTYPE: {rs}:clients is not a set
                 warn_bad(f"{self._keys.clients()}:heartbeat", "client %s: heartbeat write failed: %s", self._client_id, reply)
 
     def check_presence(self) -> None:
         """Declare gone the engines (of requests in flight) whose presence channel was empty on two reads in a
         row; forget that verdict if the channel fills again (the engine only lost its connection: Redis restarted).
-        Not within `PRESENCE_GRACE` s of this client's own subscription coming back."""
-        if self._table.since_resubscribed() < PRESENCE_GRACE:
+        Not within `PRESENCE_GRACE` s of this client's own subscription coming back, nor of a presence read that
+        failed: on a cluster one node can restart while this client's subscription, on another node, stays up, and
+        the engines' presence subscriptions on that node come back on their own backoff."""
+        if (self._table.since_resubscribed() < PRESENCE_GRACE
+                or time.monotonic() - self._presence_failed_at < PRESENCE_GRACE):
             self._absent.clear()
             return
         used, exited = self._table.presence_targets()
@@ -131,11 +136,13 @@ class Maintenance:
             self._absent.clear()
             return
         try:
-            counts = self._connection().pubsub_numsub(*(self._keys.engine_presence(e, inc) for e, inc in watched))
+            counts = subscriber_counts(self._connection(), [self._keys.engine_presence(e, inc) for e, inc in watched])
         except redis.RedisError as e:
             logger.debug("client %s: presence check skipped: %s", self._client_id, e)
+            self._presence_failed_at = time.monotonic()
+            self._absent.clear()
             return
-        absent = {engine for engine, (_, count) in zip(watched, counts, strict=True) if count == 0}
+        absent = {engine for engine, count in zip(watched, counts, strict=True) if count == 0}
         gone = (absent & self._absent) - exited
         self._absent = absent
         self._table.withdraw_exited(pair for pair in exited - absent if pair in watched)

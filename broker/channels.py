@@ -1,0 +1,96 @@
+"""Pub/sub for the output and presence channels: classic on one server, sharded on a Redis Cluster.
+
+Rules:
+- On a cluster (a `redis.RedisCluster` client) a channel belongs to the primary owning its hash slot, and only
+  the sharded commands stay there: SPUBLISH, SSUBSCRIBE and PUBSUB SHARDNUMSUB, so output traffic spreads over
+  the shards with the clients' channels. Classic PUBLISH would be broadcast over the cluster bus to every node,
+  and PUBSUB NUMSUB answers for the one node asked: neither is used on a cluster.
+- On one server (or behind sentinels) the classic commands, as before (Redis >= 6.2 has no sharded pub/sub).
+- `Subscriber` holds one plain connection to the node that owns its channels (the first channel's slot; every
+  channel one subscriber takes shares it: one client's output channel, one engine's presence channels). Any
+  disconnect reaches the caller as an error, and so does a channel moved to another node (the server sends
+  SUNSUBSCRIBE): the caller knows messages may have been lost and subscribes again, which finds the node anew.
+- Messages read the same in both modes: ``{"type": "message" | "subscribe" | "unsubscribe", "channel", "data"}``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from broker.connection import connect
+
+_TYPES = {"smessage": "message", "ssubscribe": "subscribe", "sunsubscribe": "unsubscribe"}
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def publish(pipe: Any, channel: str, payload: bytes, sharded: bool) -> None:
+    """Queue one publish on `pipe` (a pipeline or client); its reply is the number of subscribers reached."""
+    if sharded:
+        pipe.spublish(channel, payload)
+    else:
+        pipe.publish(channel, payload)
+
+
+def subscriber_counts(client: redis.Redis | RedisCluster, channels: Sequence[str]) -> list[int]:
+    """Subscribers of each channel, in order (on a cluster: asked of each channel's own node)."""
+    if not channels:
+        return []
+    if not is_cluster(client):
+        return [count for _, count in client.pubsub_numsub(*channels)]
+    by_node: dict[str, list[str]] = defaultdict(list)
+    nodes = {}
+    for channel in channels:
+        node = client.get_node_from_key(channel)
+        nodes[node.name] = node
+        by_node[node.name].append(channel)
+    counts: dict[str, int] = {}
+    for name, names in by_node.items():
+        reply = client.pubsub_shardnumsub(*names, target_nodes=nodes[name])
+        counts.update((_text(ch), int(n)) for ch, n in reply)
+    return [counts.get(channel, 0) for channel in channels]
+
+
+class Subscriber:
+    """One connection's subscriptions (see the module rules); not thread-safe, one reader thread."""
+
+    def __init__(self, redis_url: str, route_channel: str, client_name: str) -> None:
+        self._client = connect(redis_url, retries=0, client_name=client_name)
+        self.sharded = is_cluster(self._client)
+        if self.sharded:
+            node = self._client.get_node_from_key(route_channel)
+            conn = self._client.get_redis_connection(node)
+        else:
+            conn = self._client
+        self._pubsub = conn.pubsub()
+
+    def subscribe(self, channel: str) -> None:
+        (self._pubsub.ssubscribe if self.sharded else self._pubsub.subscribe)(channel)
+
+    def unsubscribe(self, channel: str) -> None:
+        (self._pubsub.sunsubscribe if self.sharded else self._pubsub.unsubscribe)(channel)
+
+    def get_message(self, timeout: float) -> dict | None:
+        msg = self._pubsub.get_message(timeout=timeout)
+        if msg is None:
+            return None
+        kind = _TYPES.get(msg["type"], msg["type"])
+        if kind == "unsubscribe" and self.sharded and not self._pubsub.shard_channels:
+            raise RedisConnectionError(f"shard channel {_text(msg['channel'])} left this node (slot moved?)")
+        return {**msg, "type": kind}
+
+    def close(self) -> None:
+        self._pubsub.close()
+        self._client.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
