@@ -7,4 +7,6 @@ engine -> worker -> protocol; it imports nothing of theirs.
   llguidance grammar, and why one cannot compile (the API's 400, the engine's matcher).
 - ``prefix_hash``: the chained hashes of a prompt's full KV blocks, the same in the API's cache-aware router
   and the engine's prefix cache.
+- ``output_processor``: engine outputs turned into each choice's text (with ``detokenizer`` and
+  ``stop_strings``), the one output path of the API and the offline ``LLM``.
 """

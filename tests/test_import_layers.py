@@ -108,7 +108,7 @@ def test_protocol_imports_no_tier() -> None:
             assert not reached, f"{name} imports {sorted(reached)}"
 
 
-@pytest.mark.parametrize("module", ["protocol", "protocol.grammar_spec"])
+@pytest.mark.parametrize("module", ["protocol", "protocol.grammar_spec", "protocol.output_processor"])
 def test_protocol_loads_neither_torch_nor_redis_nor_flask(module: str) -> None:
     code = (f"import sys, {module}; "
             "print(sorted(m for m in ('torch', 'transformers', 'redis', 'flask') if m in sys.modules))")
