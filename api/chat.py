@@ -34,7 +34,6 @@ from typing import Any
 
 from api.answer import Answer
 from api.errors import bad_request
-from api.generation import ChoiceOutput
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from api.protocol import ChatRequest, parse_chat_request
 from api.serving import (
@@ -54,6 +53,7 @@ from api.serving import (
 from api.state import ApiState
 from api.tool_parsers import ExtractedToolCalls, PartialCall, ToolCall
 from api.tools import check_auto_allowed, tool_call_dicts
+from protocol.output_processor import ChoiceOutput
 from protocol.request_ids import new_request_id
 
 

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 from api.answer import Answer
-from api.generation import ChoiceOutput
 from api.logprobs import CompletionLogprobs, vllm_prompt_logprobs
 from api.protocol import CompletionRequest, parse_completion_request
 from api.serving import (
@@ -42,6 +41,7 @@ from api.serving import (
     usage,
 )
 from api.state import ApiState
+from protocol.output_processor import ChoiceOutput
 from protocol.request_ids import new_request_id
 
 

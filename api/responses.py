@@ -39,11 +39,11 @@ from typing import Any
 from api.answer import Answer, Chunk
 from api.chat import start_chat_run
 from api.errors import ApiError, error_event
-from api.generation import ChoiceOutput
 from api.responses_protocol import ResponsesRequest, parse_responses_request, responses_field_names
 from api.serving import Run, chunk_stream, collect, prefetched, usage
 from api.state import ApiState
 from api.tool_parsers import ExtractedToolCalls, PartialCall
+from protocol.output_processor import ChoiceOutput
 
 
 def create_response(state: ApiState, data: Any, is_disconnected: Callable[[], bool]) -> Answer:

@@ -29,12 +29,13 @@ from typing import Any
 
 from api.answer import Chunk
 from api.errors import ApiError, bad_request, engine_error, unavailable
-from api.generation import ChoiceOutput, ClientDisconnected, Generation, GenerationError
+from api.generation import ClientDisconnected, Generation, GenerationError
 from api.metrics import IN_FLIGHT, RequestRecorder
 from api.protocol import fit_to_context
 from api.state import ApiState
 from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable
 from protocol.errors import MessageError
+from protocol.output_processor import ChoiceOutput
 from protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -1,28 +1,30 @@
-"""Offline inference, vLLM-style: ``LLM(model=DIR_OR_GGUF).generate(prompts, SamplingParams(...))``."""
+"""Offline inference, vLLM-style: ``LLM(model=DIR_OR_GGUF).generate(prompts, SamplingParams(...))``.
+
+Rules:
+- Each prompt is one engine request; its outputs go through the API's output processor
+  (`protocol.output_processor`): the same text, stop strings (searched incrementally), finish reasons and
+  token counts as the HTTP answer. A stop string stops its sequence in the engine at once (the request, once
+  every choice is done).
+- A ``CompletionOutput`` is one choice's deltas joined; ``RequestOutput.prompt_logprobs`` is
+  ``[None, entry for token 1, ...]`` when ``params.prompt_logprobs`` is set.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine.core import EngineCore
 from protocol.messages import RequestOutput as EngineOutput
+from protocol.output_processor import ChoiceOutput, PromptOutputs
 from protocol.sampling_params import SamplingParams
 from worker.config import EngineConfig
 
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+CompletionOutput = ChoiceOutput  # vLLM's name for one choice's whole output
 
 
 @dataclass
@@ -70,55 +72,39 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: dict[str, RequestOutput] = {}
+        processors: dict[str, PromptOutputs] = {}
         for prompt, params in zip(prompt_list, params_list, strict=True):
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, token_ids, params)
+            processors[request_id] = PromptOutputs(0, self.tokenizer, token_ids, params)
             results[request_id] = RequestOutput(
                 request_id, prompt if isinstance(prompt, str) else None, token_ids,
                 [CompletionOutput(i) for i in range(params.n)])
-        params_by_id = dict(zip(results, params_list, strict=True))
         progress = _Progress(use_tqdm, len(results))
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     result = results[out.request_id]
-                    self._apply(result, out, params_by_id[out.request_id])
+                    self._apply(result, processors[out.request_id], out)
                     progress.update(result, len(out.new_token_ids))
         finally:
             progress.close()
-        for result, params in zip(results.values(), params_list, strict=True):
-            for completion in result.outputs:
-                if completion.text == "":
-                    completion.text = self._decode(completion.token_ids, params)
         return list(results.values())
 
-    def _apply(self, result: RequestOutput, out: EngineOutput, params: SamplingParams) -> None:
-        completion = result.outputs[out.index]
-        completion.token_ids.extend(out.new_token_ids)
-        if out.logprobs is not None:
-            completion.logprobs = (completion.logprobs or []) + out.logprobs
-        result.num_cached_tokens = out.num_cached_tokens
-        if out.prompt_logprobs is not None and result.prompt_logprobs is None:
-            result.prompt_logprobs = [None, *out.prompt_logprobs]
-        if out.finish_reason is not None:
-            completion.finish_reason, completion.stop_reason = out.finish_reason, out.stop_reason
-        if params.stop and completion.finish_reason is None:
-            self._check_stop_strings(result, completion, params)
-
-    def _check_stop_strings(self, result: RequestOutput, completion: CompletionOutput,
-                            params: SamplingParams) -> None:
-        text = self._decode(completion.token_ids, params)
-        hits = [(text.find(s), s) for s in params.stop if s in text]
-        if not hits:
-            return
-        position, stop = min(hits)
-        completion.text = text[:position + (len(stop) if params.include_stop_str_in_output else 0)]
-        completion.finish_reason, completion.stop_reason = "stop", stop
-        self.engine.abort_sequence(result.request_id, completion.index)
-
-    def _decode(self, token_ids: list[int], params: SamplingParams) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+    def _apply(self, result: RequestOutput, processor: PromptOutputs, out: EngineOutput) -> None:
+        processed = processor.apply(out)
+        delta = processed.delta
+        if delta is not None:
+            if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
+                result.prompt_logprobs = [None, *delta.prompt_logprobs]
+            delta.prompt_logprobs = None
+            result.outputs[delta.index].add(delta)
+        result.num_cached_tokens = processor.cached_tokens
+        if processed.abort_sequence is not None:
+            self.engine.abort_sequence(result.request_id, processed.abort_sequence)
+        if processed.abort_request:
+            self.engine.abort_request([result.request_id])
 
     def shutdown(self) -> None:
         self.engine.shutdown()

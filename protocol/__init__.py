@@ -11,4 +11,6 @@ engine -> worker -> protocol; it imports nothing of theirs.
 - ``errors``: ``MessageError``, what decoding bytes that are not a message raises.
 - ``prefix_hash``: the chained hashes of a prompt's full KV blocks, the same in the API's cache-aware router
   and the engine's prefix cache.
+- ``output_processor``: engine outputs turned into each choice's text (with ``detokenizer`` and
+  ``stop_strings``), the one output path of the API and the offline ``LLM``.
 """

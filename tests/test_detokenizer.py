@@ -1,4 +1,4 @@
-"""Incremental detokenization (api.detokenizer): no U+FFFD mid-stream, pieces add up to decode()."""
+"""Incremental detokenization (protocol.detokenizer): no U+FFFD mid-stream, pieces add up to decode()."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from api.detokenizer import IncrementalDetokenizer
+from protocol.detokenizer import IncrementalDetokenizer
 
 EURO = "€".encode()  # 3 bytes
 EMOJI = "😀".encode()  # 4 bytes

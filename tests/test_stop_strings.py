@@ -1,10 +1,10 @@
-"""Stop strings (api.stop_strings): truncation, partial matches held back, include_stop_str_in_output."""
+"""Stop strings (protocol.stop_strings): truncation, partial matches held back, include_stop_str_in_output."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.stop_strings import StopStringMatcher
+from protocol.stop_strings import StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[str], str | None]:
