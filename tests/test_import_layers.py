@@ -8,6 +8,7 @@ under ``TYPE_CHECKING`` alike, since each is a dependency a reader has to follow
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,11 @@ def test_torch_free_folders_load_none_of_their_banned_modules(package: str) -> N
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_no_other_installed_distribution_claims_our_top_level_names() -> None:
+    """The packages install under their own top-level names (docs/architecture.md, "Install names"): another
+    distribution providing one of them (an `api` or `common` from PyPI) would shadow or be shadowed by ours."""
+    owners = importlib.metadata.packages_distributions()
+    claimed = {name: sorted(set(owners.get(name, [])) - {"redserve"}) for name in PACKAGES}
+    assert {name: dists for name, dists in claimed.items() if dists} == {}
