@@ -33,6 +33,7 @@ from worker.layers.linear import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    quantized_twin,
 )
 from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight
 from worker.pipeline import MissingLayer
@@ -100,17 +101,6 @@ def _candidates(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield prefix, module
 
 
-def _quantized(module: nn.Module, fmt: BlockFormat) -> nn.Module:
-    """``module``'s quantized twin (the same shapes and bias), or ``module`` itself made quantized."""
-    if isinstance(module, ColumnParallelLinear):
-        return ColumnParallelLinear(module.in_features, module.shards, module.bias is not None, module.dtype, fmt)
-    if isinstance(module, RowParallelLinear):
-        return RowParallelLinear(module.in_features, module.out_features, module.bias is not None, module.dtype,
-                                 fmt)
-    module.quantize(fmt)
-    return module
-
-
 def _type_name(tensors: GGUFTensors, hf_name: str) -> str:
     tensor = tensors.by_name.get(tensors.gguf_name(hf_name) or "")
     return "absent" if tensor is None else tensor.tensor_type.name
@@ -134,7 +124,7 @@ def load_quantized_weights(model: nn.Module, gguf_path: str) -> set[str]:
         if fmt is None:
             kept_float["+".join(sorted({_type_name(tensors, name) for _, name in sources}))] += 1
             continue
-        quantized = _quantized(module, fmt)
+        quantized = quantized_twin(module, fmt)
         for shard, name in sources:
             quantized.load_quantized(shard, tensors.blocks(name))
             served.add("lm_head.weight" if isinstance(module, ParallelLMHead) else name)

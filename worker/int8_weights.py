@@ -32,6 +32,7 @@ from worker.layers.linear import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    quantized_twin,
 )
 from worker.layers.quantized_linear import BLOCK, BlockFormat, BlockQuantizedWeight
 from worker.pipeline import MissingLayer
@@ -52,12 +53,8 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _twin(module: nn.Module) -> nn.Module:
-    """A projection's Q8_0 twin (the same shapes and bias), its blocks filled from the float weight."""
-    fmt = BlockFormat.Q8_0
-    if isinstance(module, ColumnParallelLinear):
-        twin = ColumnParallelLinear(module.in_features, module.shards, module.bias is not None, module.dtype, fmt)
-    else:
-        twin = RowParallelLinear(module.in_features, module.out_features, module.bias is not None, module.dtype, fmt)
+    """A projection's Q8_0 twin, its blocks filled from the float weight."""
+    twin = quantized_twin(module, BlockFormat.Q8_0)
     twin.weight.blocks.copy_(quantize_q8_0(module.weight))
     if module.bias is not None:
         twin.bias.data.copy_(module.bias.data)
@@ -67,8 +64,7 @@ def _twin(module: nn.Module) -> nn.Module:
 def _quantize_vocab(module: VocabParallelEmbedding) -> None:
     """The embedding (or an untied LM head) made Q8_0 in place."""
     blocks = quantize_q8_0(module.weight)
-    module.quantize(BlockFormat.Q8_0)
-    module.weight.blocks.copy_(blocks)
+    quantized_twin(module, BlockFormat.Q8_0).weight.blocks.copy_(blocks)
 
 
 def quantize_int8(model: nn.Module) -> None:

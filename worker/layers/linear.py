@@ -119,6 +119,19 @@ def _projection_weight(rows: int, in_features: int, dtype: torch.dtype, weight_f
     return BlockQuantizedWeight(weight_format, rows, in_features, dtype), QuantizedGemm()
 
 
+def quantized_twin(module: nn.Module, weight_format: BlockFormat) -> nn.Module:
+    """A projection's quantized twin (the same shapes and bias, its blocks still to fill), or an embedding / LM
+    head itself made quantized (``quantize``): how GGUF blocks and ``--quantization int8`` swap a layer."""
+    if isinstance(module, ColumnParallelLinear):
+        return ColumnParallelLinear(module.in_features, module.shards, module.bias is not None, module.dtype,
+                                    weight_format)
+    if isinstance(module, RowParallelLinear):
+        return RowParallelLinear(module.in_features, module.out_features, module.bias is not None, module.dtype,
+                                 weight_format)
+    module.quantize(weight_format)
+    return module
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split across ranks (padded to a multiple of TP size)."""
 
