@@ -79,12 +79,7 @@ def is_sentinel_url(url: str) -> bool:
 
 def parse_sentinel_url(url: str) -> SentinelUrl:
     """The parts of a ``redis+sentinel://`` URL; ValueError saying what is wrong with a bad one."""
-    parts = urlsplit(url)
-    if parts.scheme != SENTINEL_SCHEME:
-        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL: {mask_url(url)}")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":") if ":" in userinfo else ("", "", userinfo)
-    sentinels = tuple(_host_port(h) for h in hosts.split(",") if h)
+    parts, username, password, sentinels = _split_multi_host_url(url, SENTINEL_SCHEME, "sentinel")
     path = [p for p in parts.path.split("/") if p]
     if not sentinels or not path or len(path) > 2:
         raise ValueError(f"a sentinel URL is {SENTINEL_SCHEME}://[USER:PASS@]HOST:PORT[,HOST:PORT...]/MASTER[/DB], "
@@ -102,6 +97,17 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     if not db.isdigit():
         raise ValueError(f"the database in {mask_url(url)} must be a number, got {db!r}")
     return SentinelUrl(sentinels, unquote(path[0]), int(db), username, password, s_user, s_pass)
+
+
+def _split_multi_host_url(url: str, scheme: str, kind: str):
+    """(the split URL, the raw username and password, the (host, port) list) of a ``SCHEME://[USER:PASS@]H:P,...``
+    URL; a lone userinfo is the password, as redis-py reads ``redis://SECRET@host``."""
+    parts = urlsplit(url)
+    if parts.scheme != scheme:
+        raise ValueError(f"not a {scheme}:// URL: {mask_url(url)}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":") if ":" in userinfo else ("", "", userinfo)
+    return parts, username, password, tuple(_host_port(h, kind) for h in hosts.split(",") if h)
 
 
 def _host_port(text: str, kind: str = "sentinel") -> tuple[str, int]:
@@ -126,12 +132,7 @@ def is_cluster_url(url: str) -> bool:
 
 def parse_cluster_url(url: str) -> ClusterUrl:
     """The parts of a ``redis+cluster://`` URL; ValueError saying what is wrong with a bad one."""
-    parts = urlsplit(url)
-    if parts.scheme != CLUSTER_SCHEME:
-        raise ValueError(f"not a {CLUSTER_SCHEME}:// URL: {mask_url(url)}")
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":") if ":" in userinfo else ("", "", userinfo)
-    nodes = tuple(_host_port(h, "cluster node") for h in hosts.split(",") if h)
+    parts, username, password, nodes = _split_multi_host_url(url, CLUSTER_SCHEME, "cluster node")
     if not nodes or parts.path.strip("/") not in ("", "0") or parts.query:
         raise ValueError(f"a cluster URL is {CLUSTER_SCHEME}://[USER:PASS@]HOST:PORT[,HOST:PORT...]/ (one database, "
                          f"no options), got {mask_url(url)}")
