@@ -250,14 +250,81 @@ def test_many_rows_split_over_threads_give_the_same_bits(matmul_kernel, dtype) -
         torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def q8_kernel(kernel):
+    if not kernel.q8_matmul():
+        pytest.skip("quant_matmul_q8 needs AVX-512 VNNI; quant_matmul serves many rows on this CPU")
+    return kernel
+
+
+def q8_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """``quant_matmul_q8``'s bound, [M, N]: each block of 32 values of a row of x rounded once to int8 with the
+    scale e = max|x| / 127, so each value moves by at most e / 2 (+ the float32 rounding of x / e); the integer
+    sums are exact; then every term passes through at most K / 32 + 9 float32 roundings as in the module
+    docstring (the int32 sum to float, d * e, the chain of K / 32 FMAs, the min term, the store)."""
+    m, k = x.shape
+    xb = x.double().view(m, k // 32, 32)
+    e = xb.abs().amax(-1) / 127
+    wb = torch.from_numpy(w).view(w.shape[0], k // 32, 32)
+    w_abs_sum, w_max = wb.abs().sum(-1), wb.abs().amax(-1)
+    activation = (e * 0.5 * (1 + 2 ** -10)) @ w_abs_sum.T
+    floats = (k // 32 + 9) * 2 ** -24 * 3 * ((xb.abs().sum(-1) + 32 * e) @ w_max.T)
+    return activation + floats
+
+
+def run_q8(kernel, x: torch.Tensor, blocks: np.ndarray, fmt: BlockFormat, bias=None) -> torch.Tensor:
+    out = torch.full((x.shape[0], blocks.shape[0]), float("nan"), dtype=x.dtype)
+    kernel.quant_matmul_q8(out, x, torch.from_numpy(blocks), int(fmt), bias)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,n,k", MATMUL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_many_rows_with_q8_activations_are_within_their_rounding(q8_kernel, fmt, m, n, k, dtype) -> None:
+    blocks, w = quantized(fmt, n, k, seed=m + n)
+    x = activations(m, k, seed=k + m).to(dtype)
+    b = torch.randn(n).to(dtype)
+    out = run_q8(q8_kernel, x, blocks, fmt, b)
+    exact = x.double() @ torch.from_numpy(w).T + b.double()
+    bound = q8_bound(x.float(), w) + exact.abs() * 2 ** -23
+    if dtype == torch.bfloat16:
+        bound = bound + (exact.abs() + bound) * 2 ** -8
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"worst excess {float((error - bound).max())} at {divmod(int((error - bound).argmax()), n)}"
+    # the bound is a worst case; rounding to nearest leaves the typical error near a quarter of it (a sign or
+    # scale slip in a block would not)
+    assert float(error.mean()) <= 0.25 * float(q8_bound(x.float(), w).mean())
+
+
+def test_q8_rows_split_over_threads_give_the_same_bits(q8_kernel) -> None:
+    blocks, _ = quantized(BlockFormat.Q4_0, 1000, 576, seed=23)
+    x = activations(70, 576, seed=24).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_q8(q8_kernel, x, blocks, BlockFormat.Q4_0)
+        torch.set_num_threads(3)
+        assert torch.equal(run_q8(q8_kernel, x, blocks, BlockFormat.Q4_0), single)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_layer_takes_each_path_by_its_rows(kernel, monkeypatch) -> None:
     blocks, w = quantized(BlockFormat.Q4_1, 40, 96, seed=3)
     weight = weight_of(BlockFormat.Q4_1, blocks, 96)
     few = activations(KERNEL_MAX_ROWS, 96, seed=4)
     assert torch.equal(quant_linear(few.view(2, -1, 96), weight).view(-1, 40), run_kernel(kernel, few, blocks, weight.fmt))
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16):  # by default (REDSERVE_Q8_ACTIVATIONS unset): quant_matmul
         many = activations(KERNEL_MAX_ROWS + 1, 96, seed=5).to(dtype)
         assert torch.equal(quant_linear(many, weight), run_matmul(kernel, many, blocks, weight.fmt))
+    monkeypatch.setattr(quantized_linear, "Q8_ACTIVATIONS", True)  # REDSERVE_Q8_ACTIVATIONS=1
+    many_rows = run_q8 if kernel.q8_matmul() else run_matmul
+    assert torch.equal(quant_linear(many, weight), many_rows(kernel, many, blocks, weight.fmt))
+    q8_blocks, _ = quantized(BlockFormat.Q8_0, 40, 96, seed=6)  # Q8_0: never q8 activations
+    assert torch.equal(quant_linear(many, weight_of(BlockFormat.Q8_0, q8_blocks, 96)),
+                       run_matmul(kernel, many, q8_blocks, BlockFormat.Q8_0))
+    monkeypatch.setattr(quantized_linear, "Q8_ACTIVATIONS", False)
     monkeypatch.setattr(quantized_linear, "quant_gemm_kernel", lambda: None)  # no compiler: the torch path
     assert torch.equal(quant_linear(few, weight), tiled_linear(few, weight))
     assert torch.equal(quant_linear(many, weight), tiled_linear(many, weight))

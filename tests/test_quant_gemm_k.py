@@ -274,3 +274,58 @@ def test_tensor_parallel_cuts_whole_256_blocks(monkeypatch) -> None:
     with pytest.raises(ValueError, match="only on 256-weight blocks.*--quantization none"):
         RowParallelLinear(1536, 8, False, torch.float32, BlockFormat.Q4_K)
     RowParallelLinear(1536, 8, False, torch.float32, BlockFormat.Q8_0)  # 384 = 12 blocks of 32
+
+
+# --- many rows of Q4_K with q8 activations (quant_matmul_q8, q8_matmul.h) ---------------------------------------
+
+
+def q8_bound(x: torch.Tensor, w: np.ndarray, terms: torch.Tensor) -> torch.Tensor:
+    """As `error_bound` with each value of x rounded once to int8 (within e / 2) instead of twice."""
+    m, k = x.shape
+    xb = x.double().view(m, k // 32, 32)
+    e = xb.abs().amax(-1) / 127
+    w_abs_sum = torch.from_numpy(w).view(w.shape[0], k // 32, 32).abs().sum(-1)
+    activation = (e * 0.5 * (1 + 2 ** -10)) @ w_abs_sum.T
+    floats = (k // 32 + 9) * 2 ** -24 * 3 * ((xb.abs().sum(-1) + 32 * e) @ terms.T)
+    return activation + floats
+
+
+@pytest.mark.parametrize("m,n,k", [(17, 13, 256), (33, 130, 768), (64, 67, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_many_q4_k_rows_with_q8_activations_are_within_their_rounding(native, m, n, k, dtype) -> None:
+    if not native.q8_matmul():
+        pytest.skip("quant_matmul_q8 needs AVX-512 VNNI")
+    fmt = BlockFormat.Q4_K
+    blocks, w = quantized(fmt, n, k, seed=m + k)
+    x = activations(m, k, seed=n).to(dtype)
+    b = torch.randn(n).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    native.quant_matmul_q8(out, x, torch.from_numpy(blocks), int(fmt), b)
+    exact = x.double() @ torch.from_numpy(w).T + b.double()
+    bound = q8_bound(x.float(), w, term_sizes(fmt, blocks)) + exact.abs() * 2 ** -23
+    if dtype == torch.bfloat16:
+        bound = bound + (exact.abs() + bound) * 2 ** -8
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"worst excess {float((error - bound).max())}"
+    assert float(error.mean()) <= 0.25 * float(q8_bound(x.float(), w, term_sizes(fmt, blocks)).mean())
+    with pytest.raises(RuntimeError, match="Q4_K only"):
+        native.quant_matmul_q8(out, x, torch.from_numpy(quantized(BlockFormat.Q6_K, n, k, seed=1)[0]), 14, None)
+
+
+def test_the_layer_takes_q8_for_many_q4_k_rows_and_tiles_for_q6_k(native, monkeypatch) -> None:
+    if not native.q8_matmul():
+        pytest.skip("quant_matmul_q8 needs AVX-512 VNNI")
+    x = activations(K_QUANT_KERNEL_MAX_ROWS + 1, 512, seed=3)
+    blocks, _ = quantized(BlockFormat.Q4_K, 40, 512, seed=4)
+    assert torch.equal(quant_linear(x, weight_of(BlockFormat.Q4_K, blocks, 512)),  # by default: the tiles
+                       tiled_linear(x, weight_of(BlockFormat.Q4_K, blocks, 512)))
+    monkeypatch.setattr(quantized_linear, "Q8_ACTIVATIONS", True)  # REDSERVE_Q8_ACTIVATIONS=1
+    for fmt in FORMATS:
+        blocks, _ = quantized(fmt, 40, 512, seed=4)
+        weight = weight_of(fmt, blocks, 512)
+        if fmt is BlockFormat.Q4_K:
+            want = torch.empty(x.shape[0], 40)
+            native.quant_matmul_q8(want, x, torch.from_numpy(blocks), int(fmt), None)
+        else:
+            want = tiled_linear(x, weight)
+        assert torch.equal(quant_linear(x, weight), want)

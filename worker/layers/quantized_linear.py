@@ -9,14 +9,21 @@ Rules:
   each row its ``in_features / fmt.block_weights`` blocks in GGML's layout (32 weights a block; 256 for the
   k-quants Q4_K and Q6_K, whose torch dequantization and kernel live in `worker.layers.k_quants`); it
   dequantizes rows on demand (the embedding lookup) in the model dtype.
-- `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, takes one of three paths by its rows:
+- `quant_linear(x, weight, bias)` on the CPU, float32 or bfloat16 x, takes one of four paths by its rows:
   - up to ``KERNEL_MAX_ROWS`` (the k-quants: ``K_QUANT_KERNEL_MAX_ROWS``): the C++ kernel's int8 path
     (worker/kernels/csrc/quant_gemm.cpp, ``quant_gemm_k.cpp`` for the k-quants: x quantized to int8 per block
     of 32, int8 dot products, per-block scales), within the activation rounding of the float product;
-  - more rows, 32-weight formats: the ``quant_gemm`` kernel's ``quant_matmul``, the weights decoded once a call
-    and multiplied in x's dtype (bfloat16 with the CPU's bf16 dot products where it has them), to float
-    rounding;
-  - more rows of a k-quant, and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
+  - opt-in (``REDSERVE_Q8_ACTIVATIONS=1``), more rows of Q4_0, Q4_1, Q5_0 and Q4_K (17 rows for Q4_K), on a
+    CPU with AVX-512 VNNI: ``quant_matmul_q8``, the weights decoded once a call to byte codes and x rounded
+    once to int8 per block of 32 (llama.cpp's q8 activations: within e / 2 a value, e = max|x| / 127), 64 byte
+    products a vpdpbusd. Opt-in because that rounding moves greedy choices of a small model: SmolLM2 Q4_1's
+    perplexity stays within 1% of llama.cpp's (-0.45%, -0.82% without), but its chat answer to the tests'
+    capital-of-France prompt and 40% of a Q4_K file's greedy tokens change;
+  - more rows of Q8_0 (its weights as precise as q8 activations), and of the others by default or without
+    VNNI: ``quant_matmul``, the weights decoded once a call and x
+    multiplied in its own dtype (bfloat16 with the CPU's bf16 dot products where it has them), to float
+    rounding, at 1.4-1.5x the time of ``quant_matmul_q8`` (below);
+  - more rows of Q6_K (and of Q4_K without VNNI), and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
     ``quant_gemm`` or ``quant_gemm_k``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's
     dtype (by the kernel's ``dequantize_rows`` where it is built, else in torch) and multiplied with
     ``F.linear`` (float rounding only), so no whole float copy of the weight is ever made.
@@ -26,6 +33,7 @@ Rules:
 
 from __future__ import annotations
 
+import os
 from enum import IntEnum
 
 import torch
@@ -42,8 +50,11 @@ BLOCK = 32  # weights a block (of the 32-weight formats; `BlockFormat.block_weig
 # float weights for scale (float32 / bfloat16): 1 row 1.77 / 12.9 / 9.1 / 7.2 (9.0 / 4.7); 4 rows 5.5 / 13.1 /
 # 9.7 / 11.3; 8 rows 10.7 / 12.9 / 9.3 / 16.3; 12 rows 15.9 / 13.4 / 9.7 / 18.3; 16 rows 21.8 / 13.8 / 10.2 /
 # 20.9 (12.8 / 6.9); 64 rows 82.8 / 43.5 / 26.1 / 59.6 (39.8 / 20.8); 256 rows 364 / 190 / 95 / 262 (176 / 77).
+# quant_matmul_q8 on the same shapes (bfloat16 x, Q4_1, 5 Dec 2026): 16 rows 6.4-6.7 ms against quant_matmul's 9.1;
+# 64 rows 18.4 against 26.0; 256 rows 65 against 97 (float32 x: 43 and 163 for quant_matmul).
 KERNEL_MAX_ROWS = 8  # the int8 path's rows: it costs a row's products (~1.2 ms here) a row; quant_matmul beyond
 K_QUANT_KERNEL_MAX_ROWS = 16  # the k-quants' int8 path (no quant_matmul): at 16 rows 1.4-1.7x the tiles
+Q8_ACTIVATIONS = os.environ.get("REDSERVE_Q8_ACTIVATIONS", "0") == "1"  # many rows through quant_matmul_q8 (opt-in)
 TILE_WEIGHTS = 1 << 18  # weights a dequantized tile holds in the F.linear path (1 MiB of float32: stays in L2)
 
 
@@ -129,6 +140,11 @@ def kernel_for(fmt: BlockFormat):
 
 
 _K_QUANTS = frozenset({12, 14})  # Q4_K, Q6_K: 256-weight blocks, their own kernel (no quant_matmul)
+# quant_matmul_q8's formats: Q4_0, Q4_1, Q5_0, Q4_K, whose own rounding (4-5 bits) dwarfs the activations'. Not
+# Q8_0: its weights are as precise as q8 activations, so these would double its error (SmolLM2 with
+# `--quantization int8` answered "Paris" through quant_matmul, and not through quant_matmul_q8); not Q6_K: its
+# scales are per 16 weights.
+_Q8_MATMUL_FORMATS = frozenset({2, 3, 6, 12})
 
 
 def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,12 +157,15 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
     kernel = None
     if rows.dtype in _KERNEL_DTYPES and rows.is_cpu and (bias is None or bias.dtype == rows.dtype):
         kernel = k_quants.quant_gemm_k_kernel() if k_quant else quant_gemm_kernel()
-    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS):
+    q8 = kernel is not None and Q8_ACTIVATIONS and m > KERNEL_MAX_ROWS and fmt in _Q8_MATMUL_FORMATS and kernel.q8_matmul()
+    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS and not q8):
         out = tiled_linear(rows, weight, bias)
     else:
         out = torch.empty(m, weight.blocks.shape[0], dtype=rows.dtype)
         if m <= (K_QUANT_KERNEL_MAX_ROWS if k_quant else KERNEL_MAX_ROWS):
             kernel.quant_linear(out, rows, weight.blocks, int(fmt), bias)
+        elif q8:
+            kernel.quant_matmul_q8(out, rows, weight.blocks, int(fmt), bias)
         else:
             kernel.quant_matmul(out, rows, weight.blocks, int(fmt), bias)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])

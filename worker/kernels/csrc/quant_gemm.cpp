@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "q8_matmul.h"
 #include "quant_rows.h"
 
 namespace {
@@ -598,6 +599,58 @@ void bf16_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks
 }
 #endif
 
+#if defined(REDSERVE_QUANT_Q8_MATMUL)
+// quant_matmul_q8 (q8_matmul.h): one row of W as unsigned byte codes (natural k order) and each block's d and min.
+template <Format F>
+struct U8Codes {
+  static void row(uint8_t* u, float* d, float* mn, const uint8_t* p, int64_t k) {
+    constexpr int64_t kBytes = bytes_of<F>();
+    for (int64_t b = 0; b < k / kBlock; ++b, p += kBytes) {
+      d[b] = half_to_float(p);
+      __m256i codes;
+      if constexpr (F == Format::kQ8_0) {
+        codes = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), _mm256_set1_epi8(-128));
+        mn[b] = -128.f * d[b];
+      } else {
+        codes = block_codes<F>(p);
+        mn[b] = block_min<F>(p, d[b]);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u + b * kBlock), codes);
+    }
+  }
+};
+
+template <typename T>
+void q8_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
+  const T* xd = x.data_ptr<T>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  T* o = out.data_ptr<T>();
+  switch (f) {
+    case Format::kQ8_0: return redserve_q8::matmul<U8Codes<Format::kQ8_0>>(o, xd, w, bias, m, k, n, row_bytes);
+    case Format::kQ4_0: return redserve_q8::matmul<U8Codes<Format::kQ4_0>>(o, xd, w, bias, m, k, n, row_bytes);
+    case Format::kQ4_1: return redserve_q8::matmul<U8Codes<Format::kQ4_1>>(o, xd, w, bias, m, k, n, row_bytes);
+    case Format::kQ5_0: return redserve_q8::matmul<U8Codes<Format::kQ5_0>>(o, xd, w, bias, m, k, n, row_bytes);
+  }
+}
+#endif
+
+void quant_matmul_q8(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                     c10::optional<torch::Tensor> bias) {
+  const auto f = static_cast<Format>(ggml_type);
+  check_linear_args("quant_matmul_q8", out, x, blocks, f, bias);
+#if defined(REDSERVE_QUANT_Q8_MATMUL)
+  if (x.size(0) == 0 || blocks.size(0) == 0) return;
+  if (x.scalar_type() == torch::kBFloat16) {
+    q8_dispatch<at::BFloat16>(out, x, blocks, bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, f);
+  } else {
+    q8_dispatch<float>(out, x, blocks, bias.has_value() ? bias->data_ptr<float>() : nullptr, f);
+  }
+#else
+  TORCH_CHECK(false, "quant_matmul_q8: this build has no AVX-512 VNNI");
+#endif
+}
+
 template <typename T>
 void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
@@ -648,6 +701,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks");
   m.def("quant_matmul", &quant_matmul,
         "out = x @ dequantize(blocks).T (+ bias) for many rows of x: the weights decoded once a call, x in its own dtype");
+  m.def("quant_matmul_q8", &quant_matmul_q8,
+        "out = x @ dequantize(blocks).T (+ bias) for many rows of x, x rounded to int8 per block (llama.cpp's q8)");
+  m.def("q8_matmul", &q8_matmul_built, "whether this build has quant_matmul_q8 (AVX-512 VNNI)");
   m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul multiplies bfloat16 x with vdpbf16ps");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 block rows");
 }

@@ -47,6 +47,7 @@
 #include <cstring>
 #include <vector>
 
+#include "q8_matmul.h"
 #include "quant_rows.h"
 
 namespace {
@@ -323,9 +324,56 @@ void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type)
   });
 }
 
+#if defined(REDSERVE_QUANT_Q8_MATMUL)
+// quant_matmul_q8 (q8_matmul.h) for Q4_K: a sub-block's 32 nibbles as byte codes, d sc as its scale and
+// -dmin m as its min. (Q6_K's scales are per 16 weights, finer than q8_matmul.h's 32: it keeps the tiled path.)
+struct Q4KCodes {
+  static void row(uint8_t* u, float* d, float* mn, const uint8_t* p, int64_t k) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    for (int64_t sb = 0; sb < k / kSuper; ++sb, p += block_bytes(Format::kQ4_K)) {
+      float ds[8], dm[8];
+      q4k_scales(p, ds, dm);
+      for (int s = 0; s < kSubs; ++s) {
+        d[sb * kSubs + s] = ds[s];
+        mn[sb * kSubs + s] = -dm[s];
+      }
+      for (int pair = 0; pair < kSubs / 2; ++pair) {  // sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high)
+        const __m256i bytes = load32(p + 16 + 32 * pair);
+        uint8_t* out = u + sb * kSuper + 2 * kBlock * pair;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_and_si256(bytes, mask));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kBlock), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask));
+      }
+    }
+  }
+};
+#endif
+
+void quant_matmul_q8(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                     c10::optional<torch::Tensor> bias) {
+  const Format f = checked_format(ggml_type, "quant_matmul_q8");
+  TORCH_CHECK(f == Format::kQ4_K, "quant_matmul_q8: Q4_K only (Q6_K's scales are per 16 weights)");
+  check_linear_args("quant_matmul_q8", out, x, blocks, kSuper, block_bytes(f), bias);
+#if defined(REDSERVE_QUANT_Q8_MATMUL)
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
+  if (m == 0 || n == 0) return;
+  if (x.scalar_type() == torch::kBFloat16) {
+    redserve_q8::matmul<Q4KCodes>(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), blocks.data_ptr<uint8_t>(),
+                                  bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, m, k, n, row_bytes);
+  } else {
+    redserve_q8::matmul<Q4KCodes>(out.data_ptr<float>(), x.data_ptr<float>(), blocks.data_ptr<uint8_t>(),
+                                  bias.has_value() ? bias->data_ptr<float>() : nullptr, m, k, n, row_bytes);
+  }
+#else
+  TORCH_CHECK(false, "quant_matmul_q8: this build has no AVX-512 VNNI");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q4_K / Q6_K blocks");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q4_K / Q6_K block rows");
+  m.def("quant_matmul_q8", &quant_matmul_q8,
+        "out = x @ dequantize(blocks).T (+ bias) for many rows of x, Q4_K, x rounded to int8 per block (llama.cpp's q8)");
+  m.def("q8_matmul", &q8_matmul_built, "whether this build has quant_matmul_q8 (AVX-512 VNNI)");
 }
