@@ -35,7 +35,7 @@ from typing import Any
 from api.answer import Answer
 from api.errors import bad_request
 from api.logprobs import chat_logprobs, vllm_prompt_logprobs
-from api.protocol import ChatRequest, parse_chat_request
+from api.protocol import ChatRequest, fit_params, parse_chat_request
 from api.serving import (
     Run,
     admit,
@@ -43,7 +43,6 @@ from api.serving import (
     chunk_stream,
     collect,
     context_length,
-    fit_params,
     prefetched,
     prompt_token_ids,
     start_run,
@@ -78,7 +77,7 @@ def start_chat_run(state: ApiState, request: ChatRequest, request_id: str,
     with admit(state, 1, request.params.n) as slots:
         max_model_len = context_length(state)
         prompt = render_prompt(state, request, max_model_len)
-        params = fit_params(state, [prompt], request.params, max_model_len)
+        params = fit_params(request.params, [len(prompt)], max_model_len, state.tokenizer.vocab_size)
         run = start_run(state, [prompt], params, request_id, is_disconnected, slots)
     return run, prompt
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from api.answer import Answer
 from api.logprobs import CompletionLogprobs, vllm_prompt_logprobs
-from api.protocol import CompletionRequest, parse_completion_request
+from api.protocol import CompletionRequest, fit_params, parse_completion_request
 from api.serving import (
     Run,
     admit,
@@ -33,7 +33,6 @@ from api.serving import (
     chunk_stream,
     collect,
     context_length,
-    fit_params,
     prefetched,
     prompt_token_ids,
     start_run,
@@ -54,7 +53,7 @@ def create_completion(state: ApiState, data: Any, is_disconnected: Callable[[], 
     with admit(state, len(request.prompts), request.params.n) as slots:
         max_model_len = context_length(state)
         prompts = [prompt_token_ids(state, p, max_model_len=max_model_len) for p in request.prompts]
-        params = fit_params(state, prompts, request.params, max_model_len)
+        params = fit_params(request.params, [len(ids) for ids in prompts], max_model_len, state.tokenizer.vocab_size)
         run = start_run(state, prompts, params, request_id, is_disconnected, slots)
     view = _CompletionView(state, request, run, prompts, request_id)
     if request.stream:

@@ -2,7 +2,9 @@
 
 Rules:
 - One `AddRequest` per prompt (ids ``{request_id}`` for one prompt, ``{request_id}-{p}`` for several);
-  the engine expands n > 1. Its params are `SamplingParams.to_engine_dict()`: stop strings stay here. Choice index = prompt index * n + sequence index (OpenAI's order).
+  the engine expands n > 1. Its params are the prompt's `SamplingParams` as built here (typed, never a dict);
+  their stop strings stay here (they never go on the wire). Choice index = prompt index * n + sequence index
+  (OpenAI's order).
 - Iterating yields the `ChoiceOutput` deltas of the output processor (`protocol.output_processor`, shared with
   the offline `LLM`: incremental detokenizer, stop strings, finish reasons, which tokens are shown and
   counted). Each choice ends with exactly one delta carrying its finish_reason (stop, length, or abort if
@@ -100,7 +102,7 @@ class Generation:
         try:
             for p, (ids, params) in enumerate(zip(self.prompts, self.params, strict=True)):
                 rid = prompt_request_id(self.request_id, p, len(self.prompts))
-                add = AddRequest(rid, "", ids, params.to_engine_dict(), time.time(), self._deadline)
+                add = AddRequest(rid, "", ids, params, time.time(), self._deadline)
                 self._handles.append(self._submitter.submit(add))
         except BaseException:
             self.close()

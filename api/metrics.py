@@ -37,10 +37,13 @@ ours (e.g. queue time is measured by our engine); a vLLM Grafana dashboard works
 | redserve:request_inference_time_seconds{engine} | vllm:request_inference_time_seconds         | histogram, eng.|
 | redserve:iteration_tokens_total{engine}         | vllm:iteration_tokens_total                 | histogram, eng.|
 | redserve:engines_ready, redserve:broker_up      | (none)                                      | gauge, Redis   |
+| redserve:kv_tier_{lookups,hit_blocks,hit_tokens,miss_blocks,miss_tokens,corrupt_blocks,stored_blocks,bytes_in,bytes_out,load_seconds,errors,dropped_blocks,store_evicted_keys}_total{engine} | (LMCache's own) | counter, engine |
+| redserve:kv_tier_{store_used_bytes,store_max_bytes,pending_bytes}{engine} | (none)         | gauge, engine  |
 | redserve_child_restarts_total{child}            | (none)                                      | counter, stack |
 
-Not carried: vLLM's LoRA, speculative decoding, cache_config_info and KV-connector families (no such
-features here).
+Not carried: vLLM's LoRA, speculative decoding and cache_config_info families (no such features here), nor
+its KV-connector families (each connector reports its own; the KV tier's are the ``redserve:kv_tier_*`` above,
+from an engine's ``kv_tier_*`` fields).
 
 Rules:
 - Under gunicorn, `run_api` points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory BEFORE any
@@ -120,10 +123,12 @@ REQUEST_SUCCESS = Counter("redserve:request_success", "Finished choices, by fini
                           [*_MODEL, "finished_reason"])
 REQUEST_FAILURE = Counter("redserve:request_failure", "Failed or abandoned requests, by reason.",
                           [*_MODEL, "reason"])
-MIGRATION_REASONS = ("engine_exited", "engine_failed", "engine_restarted", "heartbeat_expired")  # broker.client.in_flight
+MIGRATION_REASONS = ("engine_exited", "engine_failed", "engine_restarted", "heartbeat_expired",
+                     "handoff")  # broker.client.in_flight
 REQUEST_MIGRATIONS = Counter("redserve:request_migrations",
                              "Started requests resumed on another engine (`broker.client.migration`), by why "
-                             f"their engine was declared gone: {', '.join(MIGRATION_REASONS)}.", [*_MODEL, "reason"])
+                             f"their engine was declared gone ({', '.join(MIGRATION_REASONS[:-1])}) or handed over "
+                             "by a prefill engine (handoff).", [*_MODEL, "reason"])
 IN_FLIGHT = Gauge("redserve:api_requests_in_flight", "Generation requests in flight in the API.", _MODEL,
                   multiprocess_mode="livesum")
 
@@ -230,7 +235,9 @@ class EngineStatsCollector:
             "num_preemptions": CounterMetricFamily(
                 "redserve:num_preemptions", "Sequences preempted (recomputed later) by an engine.", labels=labels),
         }
+        counters.update(_kv_tier_counters(labels))
         families.update(counters)
+        families.update(_kv_tier_gauges(labels))
         ready = GaugeMetricFamily("redserve:engines_ready", "READY engines with a live heartbeat.",
                                   labels=["model_name"])
         ready.add_metric([self._model_name], sum(1 for e in engines if e.get("state") == "ready"))
@@ -283,6 +290,39 @@ class EngineStatsCollector:
             for child, count in sorted(restarts.items()):
                 counter.add_metric([child], count)
             yield counter
+
+
+_KV_TIER_COUNTERS = {
+    "lookups": "New requests whose missing prefix blocks were looked up in the KV tier.",
+    "hit_blocks": "Prefix blocks loaded from the KV tier instead of computed.",
+    "hit_tokens": "Prompt tokens loaded from the KV tier instead of computed.",
+    "miss_blocks": "Prefix blocks looked up in the KV tier and not found (computed).",
+    "miss_tokens": "Prompt tokens looked up in the KV tier and not found (computed).",
+    "corrupt_blocks": "Blocks read from the KV tier that failed their check (recomputed).",
+    "stored_blocks": "Blocks an engine wrote to the KV tier.",
+    "bytes_in": "Bytes of KV loaded from the KV tier.",
+    "bytes_out": "Bytes an engine wrote to the KV tier.",
+    "load_seconds": "Seconds requests waited for their prefix from the KV tier.",
+    "errors": "KV tier operations that failed (the tier is then skipped for a few seconds).",
+    "dropped_blocks": "Computed blocks not written to the KV tier (tier down or writes backed up).",
+    "store_evicted_keys": "Keys the KV tier's store evicted (LRU) since it started.",
+}
+_KV_TIER_GAUGES = {
+    "store_used_bytes": "Bytes the KV tier's store uses.",
+    "store_max_bytes": "The KV tier store's maxmemory (0: none).",
+    "pending_bytes": "Bytes of blocks an engine has yet to write to the KV tier.",
+}
+
+
+def _kv_tier_counters(labels: list[str]) -> dict[str, CounterMetricFamily]:
+    """redserve:kv_tier_*_total of the engines' ``kv_tier_*`` fields (``engine.kv_tier``)."""
+    return {f"kv_tier_{name}": CounterMetricFamily(f"redserve:kv_tier_{name}", text, labels=labels)
+            for name, text in _KV_TIER_COUNTERS.items()}
+
+
+def _kv_tier_gauges(labels: list[str]) -> dict[str, GaugeMetricFamily]:
+    return {f"kv_tier_{name}": GaugeMetricFamily(f"redserve:kv_tier_{name}", text, labels=labels)
+            for name, text in _KV_TIER_GAUGES.items()}
 
 
 _ENGINE_HISTOGRAM_HELP = {

@@ -12,8 +12,9 @@ Rules:
 - The sampling parameters are checked by `SamplingParams` (its ValueError becomes a 400 naming the
   field). Bounded cost: at most 16 stop strings of 4096 UTF-8 bytes in all, at most 1024
   stop_token_ids (400 naming `stop` / `stop_token_ids`).
-  `max_tokens` None means "up to the context length": the caller fills it in once the prompt
-  length and the engine's max_model_len are known (`fit_to_context`).
+  `max_tokens` None means "up to the context length": the handler fills it in once the prompt
+  lengths and the engines' max_model_len are known (`fit_params`, which also checks stop_token_ids
+  against the vocabulary: the model's limits are arguments, this module reads no server state).
 - Completions: `max_tokens` absent -> 16 (OpenAI's default), null -> up to the context.
   `echo` with `logprobs` asks the engine for the prompt's logprobs (`prompt_logprobs`); `echo` with
   `max_tokens` 0 answers the prompt alone (one token is generated and dropped, as vLLM).
@@ -255,6 +256,15 @@ def fit_to_context(params: SamplingParams, prompt_len: int, max_model_len: int |
     if params.max_tokens is None:
         return dataclasses.replace(params, max_tokens=max_model_len - prompt_len)
     return params
+
+
+def fit_params(params: SamplingParams, prompt_lens: list[int], max_model_len: int | None,
+               vocab_size: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: stop_token_ids checked against the vocabulary, then each prompt against
+    the context (`fit_to_context`). ApiError 400 naming the field."""
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab_size})", param="stop_token_ids")
+    return [fit_to_context(params, prompt_len, max_model_len) for prompt_len in prompt_lens]
 
 
 def _common(body: Body, params: SamplingParams) -> dict[str, Any]:

@@ -4,7 +4,11 @@ server-sent events).
 
 Rules:
 - Everything that can be checked is checked before the engine sees the request: model name (404),
-  token ids in the vocabulary, prompt + max_tokens within the engines' max_model_len (400).
+  token ids in the vocabulary (400). This module reads the limits (`context_length`: the READY engines'
+  max_model_len); the handler fits the request to them with `api.protocol.fit_params` (prompt + max_tokens
+  within max_model_len, 400). The request path runs one way: handler -> `api.protocol` (pure, on the
+  request) and handler -> here (state, broker, answers); this module never imports a protocol module
+  or a handler (tests/test_import_layers.py).
 - Cost is bounded before work: `admit` takes the request's in-flight slots (prompts x n) right
   after parsing, before any tokenizing (429 + Retry-After when this process or the engines are
   full, 400 when the request could never fit); a text prompt longer than the context can hold in
@@ -31,7 +35,6 @@ from api.answer import Chunk
 from api.errors import ApiError, bad_request, engine_error, unavailable
 from api.generation import ClientDisconnected, Generation, GenerationError
 from api.metrics import IN_FLIGHT, RequestRecorder
-from api.protocol import fit_to_context
 from api.state import ApiState
 from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable
 from protocol.errors import MessageError
@@ -81,16 +84,6 @@ def prompt_token_ids(state: ApiState, prompt: str | list[int], add_special_token
     if not ids:
         raise bad_request("the prompt is empty: at least one token is required", param="prompt")
     return ids
-
-
-def fit_params(state: ApiState, prompts: list[list[int]], params: SamplingParams,
-               max_model_len: int | None = None) -> list[SamplingParams]:
-    """One SamplingParams per prompt, checked against the context length (needs a ready engine)."""
-    vocab = state.tokenizer.vocab_size
-    if any(t >= vocab for t in params.stop_token_ids):
-        raise bad_request(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-    max_model_len = max_model_len or context_length(state)
-    return [fit_to_context(params, len(ids), max_model_len) for ids in prompts]
 
 
 def context_length(state: ApiState) -> int:

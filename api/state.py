@@ -39,6 +39,7 @@ from broker.errors import NoEngineAvailable
 from broker.keys import EngineState, RedisKeys
 from broker.prefix_index import read_routing_counts
 from broker.registry import EngineRegistry
+from protocol.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +136,9 @@ class ApiState:
 
     def check_engine_backlog(self) -> None:
         """ApiError 429 if every READY engine has `max_engine_waiting` requests waiting (none READY: no-op)."""
-        waiting = [e.get("waiting") for e in self.ready_engines()]
-        counts = [w for w in waiting if isinstance(w, int)]
-        if counts and len(counts) == len(waiting) and min(counts) >= self.config.max_engine_waiting:
-            raise too_busy(f"the engines are busy ({min(counts)} requests waiting on the least busy one, limit "
+        waiting = [EngineLoad.from_stats(e).waiting for e in self.ready_engines()]  # unknown: 0 (< limit)
+        if waiting and min(waiting) >= self.config.max_engine_waiting:
+            raise too_busy(f"the engines are busy ({min(waiting)} requests waiting on the least busy one, limit "
                            f"{self.config.max_engine_waiting})")
 
     def max_model_len(self) -> int:

@@ -126,7 +126,7 @@ def skewed_balance(args: argparse.Namespace) -> dict:
 
         def one(i: int, long: bool) -> None:
             out_len = args.long_output if long else args.short_output
-            params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True).to_dict()
+            params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
             with client.submit(AddRequest(f"s{i}", "", prompts[i], params, time.time(), time.time() + 1800)) as h:
                 for out in h:
                     if out.error_code is not None:

@@ -41,7 +41,7 @@ def engine_outputs_case() -> Callable[[], object]:
 
 
 def add_request_case() -> Callable[[], object]:
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256, seed=1).to_engine_dict()
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256, seed=1)
     add = AddRequest("req-000001", "client-0", list(range(1000, 1256)), params, time.time(), time.time() + 60)
     return lambda: decode(encode(add))
 

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from protocol.sampling_params import SamplingParams
 from protocol.step_types import NewRequestData, SchedulerOutput
 from worker.input_batch import InputBatch
 from worker.layers.attention import PagedAttention
@@ -22,7 +23,7 @@ def step(specs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, bloc
     sched, first = SchedulerOutput(), 0
     for i, (c, n) in enumerate(specs):
         count = -(-(c + n) // block_size)
-        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], {}, list(range(first, first + count)), c))
+        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], SamplingParams(), list(range(first, first + count)), c))
         sched.num_scheduled_tokens[f"r{i}"] = n
         first += count
     batch = InputBatch(block_size, torch.device("cpu"), heads // kv_heads, [1], use_kernel=use_kernel)

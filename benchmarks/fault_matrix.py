@@ -8,6 +8,7 @@ everything under it are killed at the end whatever happens.
     python benchmarks/fault_matrix.py [--model DIR] [--streams 150]
     python benchmarks/fault_matrix.py --redis-replicas 2 [--failover-streams 32]   # the Sentinel rows only
     python benchmarks/fault_matrix.py --redis-cluster 3                            # the Cluster rows only
+    python benchmarks/fault_matrix.py --redis-cluster 3 --redis-replicas 1         # Cluster rows with failover
 
 Rules:
 - "time to recover" runs from the fault to the first completion that succeeds again (or, for a request
@@ -20,7 +21,9 @@ Rules:
   "longest pause" is the longest wait between two events of any stream.
 - With ``--redis-cluster N`` the stack runs an N-primary Redis Cluster, and the matrix kills each primary in turn
   (the supervisor restarts it with its slots, empty) under streams in flight and 3 un-started requests; each
-  row says which of redserve's keys and channels that node held.
+  row says which of redserve's keys and channels that node held. With ``--redis-replicas R`` too, each primary has
+  R replicas and the cluster fails a killed primary over by itself; each row also says when a replica was promoted
+  (INFO replication), and the next row waits until the killed node is back as a replica, linked.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import redis
 import requests
@@ -490,8 +494,27 @@ def _cluster_node_holds(stack: ServeStack, address: str) -> str:
     return ", ".join(held) or "no redserve key"
 
 
+def _shard_primary(stack: ServeStack, index: int) -> dict:
+    """The node that is primary of shard `index` now (``redis-{index}`` or, after a failover, one of its replicas)."""
+    return next(n for n in stack.state()["redis_nodes"] if n["role"] == "primary"
+                and (n["name"] == f"redis-{index}" or n["name"].startswith(f"redis-{index}-")))
+
+
+def _role(stack: ServeStack, address: str) -> str | None:
+    """INFO replication's role of the node at `address` (as the admin), None if it does not answer."""
+    password = unquote(urlsplit(stack.state()["admin_redis_url"]).password or "")
+    host, port = address.rsplit(":", 1)
+    try:
+        with redis.Redis(host, int(port), username="admin", password=password, socket_timeout=1,
+                         socket_connect_timeout=1, decode_responses=True) as client:
+            return client.info("replication")["role"]
+    except redis.RedisError:
+        return None
+
+
 def redis_cluster_node_kill(stack: ServeStack, index: int, streams: int) -> Row:
-    node = stack.state()["redis_nodes"][index]
+    node = _shard_primary(stack, index)
+    replicas = [n for n in stack.state()["redis_nodes"] if n.get("replica_of") == node["name"]]
     holds = _cluster_node_holds(stack, node["address"])
     engine = stack.child("engine-0")
     running = [Stream(stack, 300) for _ in range(streams)]
@@ -501,18 +524,33 @@ def redis_cluster_node_kill(stack: ServeStack, index: int, streams: int) -> Row:
         killed = time.monotonic()
     finally:
         os.kill(engine, signal.SIGCONT)
+    promoted = ""
+    if replicas:
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: any(_role(stack, r["address"]) == "master" for r in replicas), 60, "a replica promoted",
+                     interval=0.05)
+            promoted = f"replica promoted after {time.monotonic() - killed:.1f} s; "
     recovered = stack.wait_served(killed)
     _finished(running)
     queued, lost = joined(threads, results)
+    if replicas:
+        return (f"Redis Cluster primary {node['name']} kill -9, {len(replicas)} replica(s) ({holds})",
+                f"{streams} streams mid-way, 3 queued (engine SIGSTOPped), SIGKILL the node; the cluster fails over",
+                f"{promoted}{_stream_summary(running)}; queued: {queued}", f"{recovered:.1f}", f"{lost} of 3")
     return (f"Redis Cluster primary {node['name']} kill -9 ({holds})",
             f"{streams} streams mid-way, 3 queued (engine SIGSTOPped), SIGKILL the node; restarted with its slots",
             f"{_stream_summary(running)}; queued: {queued}", f"{recovered:.1f}", f"{lost} of 3 (no persistence)")
 
 
-def cluster_steps(stack: ServeStack, primaries: int, streams: int) -> list[Callable[[], Row]]:
-    """The rows of ``--redis-cluster``: each primary killed in turn, once the previous one is back."""
+def cluster_steps(stack: ServeStack, primaries: int, streams: int, replicas: int = 0) -> list[Callable[[], Row]]:
+    """The rows of ``--redis-cluster``: each primary killed in turn, once the previous one is back (with replicas:
+    back as a replica, linked, each shard with all its replicas)."""
     def settled() -> bool:
-        if not all(alive(n["pid"]) for n in stack.state()["redis_nodes"]):
+        nodes = stack.state()["redis_nodes"]
+        if not all(alive(n["pid"]) for n in nodes):
+            return False
+        followers = [n for n in nodes if n["role"] == "replica"]
+        if len(followers) != primaries * replicas or any(_role(stack, n["address"]) != "slave" for n in followers):
             return False
         return stack.served()
     return [lambda i=i: (wait_for(settled, 120, "every node back"), redis_cluster_node_kill(stack, i, streams))[1]
@@ -527,8 +565,8 @@ def run(model: str, streams: int, redis_replicas: int = 0, failover_streams: int
     try:
         wait_for(stack.served, 180, "the stack to serve", interval=0.5)
         ctx = 2048 + 10
-        steps: list[Callable[[], Row]] = sentinel_steps(stack, failover_streams) if redis_replicas else \
-            cluster_steps(stack, redis_cluster, 8) if redis_cluster else [
+        steps: list[Callable[[], Row]] = cluster_steps(stack, redis_cluster, 8, redis_replicas) if redis_cluster \
+            else sentinel_steps(stack, failover_streams) if redis_replicas else [
             lambda: engine_kill(stack), lambda: coordinator_kill(stack), lambda: api_master_kill(stack),
             lambda: api_worker_kill(stack), lambda: redis_kill(stack), lambda: batch_worker_kill(stack, workdir),
             lambda: garbage_control_state(stack),
@@ -561,10 +599,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model dir (default: the tiny test model)")
     parser.add_argument("--streams", type=int, default=150, help="concurrent streams in the load row")
     parser.add_argument("--redis-replicas", type=int, default=0,
-                        help="N >= 1: run the Sentinel rows (primary, replica, sentinel killed) on N replicas instead")
+                        help="N >= 1: run the Sentinel rows (primary, replica, sentinel killed) on N replicas instead "
+                             "(with --redis-cluster: N replicas of each cluster primary)")
     parser.add_argument("--failover-streams", type=int, default=32, help="streams in flight when the primary dies")
     parser.add_argument("--redis-cluster", type=int, default=0,
-                        help="N >= 1: run the Cluster rows (each of N primaries killed in turn) instead")
+                        help="N >= 1: run the Cluster rows (each of N primaries killed in turn) instead; with "
+                             "--redis-replicas R each primary has R replicas (the cluster fails over)")
     args = parser.parse_args()
     model = args.model
     if model is None:

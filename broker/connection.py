@@ -28,6 +28,10 @@ Rules:
   redis-py's `RedisCluster`, which sends each command to the primary owning its key's slot and follows MOVED /
   ASK redirections. There is one database (0). Every key redserve forms is hash-tagged (`broker.keys`), so its
   transactions and scripts touch one slot; channels are sharded (`broker.channels`). No TLS in this form.
+  List replicas too: a startup node that died is skipped. By default a command is retried (slot map refreshed
+  between tries) for about `FAILOVER_WINDOW` seconds (`CLUSTER_FAILOVER_RETRIES` tries), as behind sentinels:
+  the cluster fails a dead primary over to its replica in ~3 s (``cluster-node-timeout`` 2 s + the election),
+  and a cluster without replicas is down (CLUSTERDOWN) until the node is back.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ FAILOVER_WINDOW = 20.0
 """Seconds a sentinel-mode client keeps retrying a command: a failover of the embedded setup takes ~2-3 s
 (``down-after-milliseconds`` 1000), an existing deployment's ``down-after-milliseconds`` adds to it."""
 _FAILOVER_BACKOFF_CAP = 0.2
+CLUSTER_FAILOVER_RETRIES = int(FAILOVER_WINDOW / _FAILOVER_BACKOFF_CAP)
+"""Retries of a cluster-mode command: redis-py's cluster client counts them (no time bound), each after a backoff
+of at most `_FAILOVER_BACKOFF_CAP` s, so about `FAILOVER_WINDOW` seconds of trying (plus the attempts' own time)."""
 _SENTINEL_QUERY_TIMEOUT = 0.5
 
 
@@ -201,12 +208,16 @@ def connect(
 
     `retries=0` gives a client that raises on the first connection error (used for the pub/sub
     listener, which must notice every disconnect to know that messages may have been lost).
-    `retries=None`: `DEFAULT_RETRIES`, or in sentinel mode retries for `FAILOVER_WINDOW` seconds.
+    `retries=None`: `DEFAULT_RETRIES`, or in sentinel mode retries for `FAILOVER_WINDOW` seconds, in cluster mode
+    `CLUSTER_FAILOVER_RETRIES` times (about as long).
     """
     logger.debug("Redis client for %s (client name %s)", mask_url(url), client_name)
     sentinel_mode = is_sentinel_url(url)
     if retries is None and sentinel_mode:
         retry: Retry = FailoverRetry(FAILOVER_WINDOW)
+    elif retries is None and is_cluster_url(url):
+        retry = Retry(ExponentialBackoff(cap=_FAILOVER_BACKOFF_CAP, base=0.05), CLUSTER_FAILOVER_RETRIES,
+                      supported_errors=_RETRYABLE)
     else:
         retries = DEFAULT_RETRIES if retries is None else retries
         retry = Retry(ExponentialBackoff(cap=backoff_cap, base=0.05), retries, supported_errors=_RETRYABLE)
@@ -281,6 +292,18 @@ def cluster_topology(client: redis.Redis | RedisCluster) -> list[str] | None:
     if not isinstance(client, RedisCluster):
         return None
     return sorted(f"{node.host}:{node.port}" for node in client.get_primaries())
+
+
+def cluster_replicas(client: redis.Redis | RedisCluster) -> dict[str, list[str]] | None:
+    """For a cluster client: each primary ("HOST:PORT") -> its replicas that are not failed, sorted, as its slot
+    map (CLUSTER SLOTS) has them; None otherwise."""
+    if not isinstance(client, RedisCluster):
+        return None
+    out: dict[str, set[str]] = {}
+    for nodes in client.nodes_manager.slots_cache.values():
+        if nodes:
+            out.setdefault(nodes[0].name, set()).update(node.name for node in nodes[1:])
+    return {primary: sorted(replicas) for primary, replicas in sorted(out.items())}
 
 
 def primary_url(url: str) -> str:

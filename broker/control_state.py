@@ -10,7 +10,8 @@ Rules:
 - A key of the wrong type (WRONGTYPE) reads as missing (`read_members`, `is_wrong_type`). Other Redis
   errors (connection, permissions) still raise: they are outages, not bad data.
 - Hash fields (`decode_fields`): names and values must be UTF-8. Fields in `INT_FIELDS` must hold an
-  int in [0, 2**63); fields in `NUMBER_FIELDS` a finite number >= 0; a field that does not is dropped
+  int in [0, 2**63); fields in `NUMBER_FIELDS` a finite number >= 0 (an engine's load figures take
+  their types from `protocol.engine_load`); a field that does not is dropped
   (its reader falls back to its default). Fields in `STR_FIELDS` stay strings; any other field becomes
   an int or a finite float when it reads as one, else stays a string. An engine's ``histograms`` (JSON,
   `engine.step_metrics`) is a string here; its reader (`api.metrics`) checks its shape.
@@ -30,21 +31,21 @@ import redis
 
 from broker.keys import EngineState, check_id
 from broker.log_limits import BAD_ENTRY_INTERVAL, warn_every
+from protocol.engine_load import MAX_COUNT, STATS_INT_FIELDS, STATS_NUMBER_FIELDS
 
 logger = logging.getLogger(__name__)
 
-STR_FIELDS = frozenset({"engine_id", "host", "model", "state", "incarnation", "coordinator_id", "histograms"})
-INT_FIELDS = frozenset({
-    "pid", "dp_rank", "tp", "num_kv_blocks", "block_size", "max_model_len", "waiting", "running", "num_steps",
+STR_FIELDS = frozenset({"engine_id", "host", "model", "state", "incarnation", "coordinator_id", "histograms", "role"})
+INT_FIELDS = STATS_INT_FIELDS | {
+    "pid", "dp_rank", "tp", "num_kv_blocks", "block_size", "max_model_len",
     "generated_tokens", "prompt_tokens", "num_preemptions", "wave", "wave_running", "dp_lockstep", "dummy_steps",
     "lockstep", "prefix_cache_queries", "prefix_cache_hits",
-})
-NUMBER_FIELDS = frozenset({
-    "heartbeat_ttl", "started_at", "ready_at", "stats_at", "kv_usage", "prefix_cache_hit_rate", "dead_at",
+}
+NUMBER_FIELDS = STATS_NUMBER_FIELDS | {
+    "heartbeat_ttl", "started_at", "ready_at", "prefix_cache_hit_rate", "dead_at",
     "active_since", "lb_written_at",
-})
+}
 READY_FIELDS = ("max_model_len", "num_kv_blocks", "block_size")
-MAX_INT = 2**63
 _STATES = frozenset(s.value for s in EngineState)
 
 
@@ -93,12 +94,12 @@ def read_members(r: redis.Redis, key: str, kind: str) -> list[str]:
 
 
 def parse_int(text: str) -> int | None:
-    """An int in [0, MAX_INT) or None."""
+    """An int in [0, 2**63) or None."""
     try:
         value = int(text)
     except ValueError:
         return None
-    return value if 0 <= value < MAX_INT else None
+    return value if 0 <= value < MAX_COUNT else None
 
 
 def parse_number(text: str) -> int | float | None:

@@ -1,9 +1,10 @@
 """Engine choice for new requests, and the coordinator's load snapshot format (`{rs}:lb`).
 
-Snapshot: the coordinator (its single writer) keeps `{rs}:lb` as a hash engine_id -> JSON
-`{"waiting": int, "running": int, "kv_usage": float, "step": int, "ts": wall-clock seconds}`,
-replaced as a whole by `write_lb_snapshot`; `redis-cli HGETALL {rs}:lb` shows it as is. Readers skip
-an entry whose id or JSON is not valid, or whose counters are not non-negative ints / finite numbers.
+Snapshot: the coordinator (its single writer) keeps `{rs}:lb` as a hash engine_id -> an `EngineLoad`
+(`protocol.engine_load`) as JSON `{"waiting": int, "running": int, "kv_usage": float, "step": int,
+"ts": wall-clock seconds}`, replaced as a whole by `write_lb_snapshot`; `redis-cli HGETALL {rs}:lb` shows it
+as is. Readers skip an entry whose id or JSON is not valid, or whose counters are not non-negative ints /
+finite numbers (`EngineLoad.from_json`).
 
 Choice (`EngineSelector.select`), among READY engines with a live heartbeat:
 - score = 4 * waiting + running; the lowest wins; ties go round-robin over the engine ids.
@@ -34,6 +35,9 @@ rate with DP=2 (8 gave 79%: a turn-2 prompt holds half its blocks, worth only on
 index); if no candidate holds anything, or the lookup fails, the choice is the load-only one.
 Each choice is counted by reason: "cache" when the chosen engine holds more of the prompt than
 some other candidate, else "load" (`decisions`, and `{rs}:routing` when a `prefix_index` is given).
+Roles (prefill/decode disaggregation): `select(roles=...)` keeps the candidates of those roles (`engine_role`:
+the registry's `role` field, `both` when absent); the client places new requests on the prefill pool and hands
+them to the decode pool (`DECODE_ROLES`: decode and both engines), each balanced as above on its own.
 Environment (read by `RoutingConfig.from_env`): REDSERVE_ROUTING (cache | load),
 REDSERVE_CACHE_ROUTING_WEIGHT, REDSERVE_CACHE_ROUTING_SPILL (factor), REDSERVE_CACHE_ROUTING_SLACK,
 REDSERVE_CACHE_ROUTING_PROBES.
@@ -41,29 +45,38 @@ REDSERVE_CACHE_ROUTING_PROBES.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.client import Pipeline
 
-from broker.control_state import MAX_INT, is_wrong_type, utf8, warn_bad
+from broker.control_state import is_wrong_type, utf8, warn_bad
 from broker.errors import NoEngineAvailable
 from broker.keys import EngineState, RedisKeys, check_id
 from broker.prefix_index import PrefixIndexReader, leading_blocks, probe_positions
+from protocol.engine_load import EngineLoad
 from protocol.prefix_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 
 ROUTING_POLICIES = ("cache", "load")
 MAX_HASHED_BLOCKS = 8192  # longest prompt prefix (in blocks) hashed for routing
+
+
+PREFILL_ROLES = frozenset({"prefill"})
+DECODE_ROLES = frozenset({"decode", "both"})
+
+
+def engine_role(info: Mapping[str, Any]) -> str:
+    """An engine's role in prefill/decode disaggregation (its registry field; ``both`` when it has none)."""
+    role = info.get("role")
+    return role if role in ("prefill", "decode") else "both"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,46 +123,6 @@ def route_costs(loads: Mapping[str, float], hits: Mapping[str, float], config: R
     spill_line = config.spill_factor * sum(loads.values()) / len(loads) + config.spill_slack
     return {e: load - config.cache_weight * hits.get(e, 0.0) if load <= spill_line else float(load)
             for e, load in loads.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One engine's entry in the coordinator snapshot."""
-
-    waiting: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
-    step: int = 0
-    ts: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> EngineLoad:
-        """Parse an entry; raise ValueError if it is not one (absent fields take their defaults)."""
-        try:
-            d = json.loads(text)
-        except RecursionError:
-            raise ValueError("load entry is nested too deeply") from None
-        if not isinstance(d, dict):
-            raise ValueError("load entry must be a JSON object")
-        return cls(waiting=_count(d, "waiting"), running=_count(d, "running"), kv_usage=_number(d, "kv_usage"),
-                   step=_count(d, "step"), ts=_number(d, "ts"))
-
-
-def _count(d: Mapping[str, Any], name: str) -> int:
-    value = d.get(name, 0)
-    if type(value) is not int or not 0 <= value < MAX_INT:
-        raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
-    return value
-
-
-def _number(d: Mapping[str, Any], name: str) -> float:
-    value = d.get(name, 0.0)
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 def write_lb_snapshot(
@@ -247,17 +220,19 @@ class EngineSelector:
                 return dict(self._engines)
         return self.refresh()
 
-    def select(self, exclude: Iterable[str] = (), token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    def select(self, exclude: Iterable[str] = (), token_ids: Sequence[int] | None = None,
+               roles: Iterable[str] | None = None) -> dict[str, Any]:
         """The chosen engine's info dict; raise NoEngineAvailable if no READY live engine remains.
 
-        With `token_ids` (the prompt) and the cache policy, engines holding its prefix are preferred.
+        With `token_ids` (the prompt) and the cache policy, engines holding its prefix are preferred. `roles`:
+        only engines of these roles (`engine_role`) are candidates.
         """
         engines = self.live_engines()
         excluded = set(exclude)
-        ready = self._ready_ids(engines, excluded)
+        ready = self._ready_ids(engines, excluded, roles)
         if not ready:
             engines = self.refresh()  # an engine may have just come up
-            ready = self._ready_ids(engines, excluded)
+            ready = self._ready_ids(engines, excluded, roles)
         if not ready:
             raise NoEngineAvailable("no engine is ready: none registered, all starting or draining, or heartbeats expired")
         hits = self._prefix_hits(engines, ready, token_ids)
@@ -295,9 +270,8 @@ class EngineSelector:
         now = self._wall_clock()
         for e in ready:
             info = engines[e]
-            bs, stats_at = info.get("block_size"), info.get("stats_at")
-            if type(bs) is not int or bs < 1 or not isinstance(stats_at, (int, float)) \
-                    or now - stats_at > self._snapshot_max_age:
+            bs, stats_at = info.get("block_size"), EngineLoad.from_stats(info).ts  # missing: 0, stale
+            if type(bs) is not int or bs < 1 or now - stats_at > self._snapshot_max_age:
                 continue  # no block size yet, or a stale index
             if bs not in by_size:  # at least one prompt token is always computed, as in the engine
                 by_size[bs] = block_hashes(token_ids[:len(token_ids) - 1], bs, MAX_HASHED_BLOCKS)
@@ -339,9 +313,16 @@ class EngineSelector:
         with self._lock:
             return self._in_flight.get(engine_id, 0)
 
+    def has_role(self, roles: Iterable[str], exclude: Iterable[str] = ()) -> bool:
+        """Whether a READY live engine of one of `roles` is known (from the cached engine list)."""
+        return bool(self._ready_ids(self.live_engines(), set(exclude), roles))
+
     @staticmethod
-    def _ready_ids(engines: Mapping[str, dict[str, Any]], excluded: set[str]) -> list[str]:
-        return sorted(e for e, info in engines.items() if info.get("state") == EngineState.READY and e not in excluded)
+    def _ready_ids(engines: Mapping[str, dict[str, Any]], excluded: set[str],
+                   roles: Iterable[str] | None = None) -> list[str]:
+        wanted = None if roles is None else set(roles)
+        return sorted(e for e, info in engines.items() if info.get("state") == EngineState.READY and e not in excluded
+                      and (wanted is None or engine_role(info) in wanted))
 
     def _score_locked(self, engine_id: str) -> int:
         load = self._loads.get(engine_id)

@@ -47,11 +47,12 @@ from redis.client import Pipeline
 
 from broker.control_state import is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.keys import RedisKeys
-from broker.load_balance import EngineLoad, write_lb_snapshot
+from broker.load_balance import write_lb_snapshot
 from broker.log_limits import warn_every
 from broker.registry import EngineRegistry, encode_fields
 from coordinator.leader_lock import LeaderLock
 from coordinator.rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
+from protocol.engine_load import EngineLoad
 
 logger = logging.getLogger(__name__)
 
@@ -191,13 +192,13 @@ class Coordinator:
 
     def _tick(self) -> float:
         now = self._clock()
-        reports = [EngineReport.from_registry(info) for info in self.registry.all_engines()]
+        reports = [EngineReport.from_registry(info, time.time()) for info in self.registry.all_engines()]
         stored = self._read_wave()
         gone = {r.engine_id for r in self.deaths.check(reports, now) if self._declare_dead(r)}
         live = [r for r in reports if r.live and r.engine_id not in gone]
         self.waves.sync(stored, live)
         advance = self.waves.due(live)
-        loads = build_snapshot(live, time.time())
+        loads = build_snapshot(live)
         moved = not same_loads(loads, self._loads)
         if moved:
             self._last_move = now

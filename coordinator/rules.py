@@ -1,13 +1,15 @@
 """The DP coordinator's decisions, as pure logic over what it reads from Redis (no I/O here).
 
 Rules:
-- `EngineReport` is one engine as read from its hash and heartbeat. It is *live* when its
-  heartbeat matches its incarnation and its state is not dead; only live engines count anywhere.
-  A counter that is not a finite number >= 0 (garbage in the hash) reads as its default.
-- Load snapshot (`build_snapshot`): one `EngineLoad` per live READY or DRAINING engine (a
-  STARTING engine takes no traffic yet). `ts` is when the engine wrote those counters
-  (`stats_at`), so a hung engine's entry goes stale and clients stop trusting it; `step` is its
-  step count. `same_loads` compares two snapshots ignoring `ts`: a change means "load moved".
+- `EngineReport` is one engine as read from its hash and heartbeat: its `load` (`EngineLoad`, read by
+  `EngineLoad.from_stats`) and what only the coordinator needs (state, wave, host, pid). It is *live*
+  when its heartbeat matches its incarnation and its state is not dead; only live engines count
+  anywhere. A counter that is not a finite number >= 0 (garbage in the hash) reads as its default;
+  a missing `stats_at` reads as the time of the read.
+- Load snapshot (`build_snapshot`): the `load` of each live READY or DRAINING engine (a STARTING
+  engine takes no traffic yet), `kv_usage` to 4 places. `ts` is when the engine wrote those
+  counters (`stats_at`), so a hung engine's entry goes stale and clients stop trusting it; `step` is
+  its step count. `same_loads` compares two snapshots ignoring `ts`: a change means "load moved".
 - Waves (`WaveTracker`): `{rs}:wave` = W means waves below W are complete and W is current. Wave W
   has *started* once any live engine is busy, or reports that it is in wave W (or later). It is
   complete, and the counter advances to W + 1, when it has started and no live engine is busy.
@@ -20,14 +22,12 @@ Rules:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from broker.control_state import MAX_INT
 from broker.keys import EngineState
-from broker.load_balance import EngineLoad
+from protocol.engine_load import EngineLoad, stats_number
 
 _TRAFFIC_STATES = frozenset({EngineState.READY.value, EngineState.DRAINING.value})
 
@@ -40,11 +40,7 @@ class EngineReport:
     state: str
     incarnation: str
     alive: bool
-    waiting: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
-    step: int = 0
-    stats_at: float | None = None
+    load: EngineLoad = field(default_factory=EngineLoad)
     wave: int = 0
     wave_running: bool = False
     host: str = ""
@@ -52,35 +48,27 @@ class EngineReport:
 
     @property
     def busy(self) -> bool:
-        return self.waiting + self.running > 0
+        return self.load.busy
 
     @property
     def live(self) -> bool:
         return self.alive and self.state != EngineState.DEAD.value
 
     @classmethod
-    def from_registry(cls, info: Mapping[str, Any]) -> EngineReport:
-        """Build from `EngineRegistry.get`/`all_engines` output (decoded hash + `alive`)."""
-
-        def num(name: str, kind: type, default: Any = 0) -> Any:
-            value = info.get(name, default)
-            if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value < MAX_INT:
-                return default
-            return kind(value)
-
+    def from_registry(cls, info: Mapping[str, Any], now: float) -> EngineReport:
+        """From `EngineRegistry.get`/`all_engines` output (decoded hash + `alive`) read at wall time `now`."""
         return cls(
             engine_id=str(info["engine_id"]), state=str(info.get("state", "")),
             incarnation=str(info.get("incarnation", "")), alive=bool(info.get("alive")),
-            waiting=num("waiting", int), running=num("running", int), kv_usage=num("kv_usage", float, 0.0),
-            step=num("num_steps", int), stats_at=num("stats_at", float, None), wave=num("wave", int),
-            wave_running=bool(num("wave_running", int)), host=str(info.get("host", "")), pid=num("pid", int))
+            load=EngineLoad.from_stats(info, default_ts=now), wave=stats_number(info, "wave", int),
+            wave_running=bool(stats_number(info, "wave_running", int)), host=str(info.get("host", "")),
+            pid=stats_number(info, "pid", int))
 
 
-def build_snapshot(reports: Iterable[EngineReport], now: float) -> dict[str, EngineLoad]:
-    """The `{rs}:lb` entries for `reports` (see the module rules); `now` stands in for a missing stats_at."""
+def build_snapshot(reports: Iterable[EngineReport]) -> dict[str, EngineLoad]:
+    """The `{rs}:lb` entries for `reports` (see the module rules)."""
     return {
-        r.engine_id: EngineLoad(r.waiting, r.running, round(r.kv_usage, 4), r.step,
-                                r.stats_at if r.stats_at is not None else now)
+        r.engine_id: replace(r.load, kv_usage=round(r.load.kv_usage, 4))
         for r in reports
         if r.live and r.state in _TRAFFIC_STATES
     }
@@ -88,10 +76,7 @@ def build_snapshot(reports: Iterable[EngineReport], now: float) -> dict[str, Eng
 
 def same_loads(a: Mapping[str, EngineLoad], b: Mapping[str, EngineLoad]) -> bool:
     """True if both snapshots hold the same engines with the same counters (`ts` ignored)."""
-    if a.keys() != b.keys():
-        return False
-    return all((x.waiting, x.running, x.kv_usage, x.step) == (y.waiting, y.running, y.kv_usage, y.step)
-               for x, y in ((a[e], b[e]) for e in a))
+    return a.keys() == b.keys() and all(a[e].same_figures(b[e]) for e in a)
 
 
 class WaveTracker:

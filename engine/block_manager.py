@@ -11,6 +11,11 @@ Rules:
   prefix outlives its tail.
 - Check/commit pairs: ``allocate_slots`` only changes state when it can satisfy the whole request.
 - Block hashes come from ``protocol.prefix_hash`` (the API computes the same ones to route requests).
+- KV tier (``engine.kv_tier``): with ``record_computed`` on, every prompt block this engine computed and cached
+  is appended to ``computed`` (hash, block id, tokens) for the tier to store (blocks holding generated tokens
+  are not, as LMCache's default: a next turn's prompt stores them; a resumed request's prompt holds them); ``adopt_blocks`` takes free blocks
+  for KV loaded from the tier and caches them like computed ones (free, at the back of the free queue, so the
+  request they were loaded for finds them when it is admitted), without recording them again.
 - With ``track_events()`` on, every change to the set of cached hashes (``hash_to_block``'s keys) is
   recorded in ``events`` (stored / removed / cleared) for the engine to publish; ``take_events``
   returns and resets what changed since the last call, a hash stored then removed in between cancels.
@@ -77,6 +82,8 @@ class BlockManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._events: _EventLog | None = None
+        self.record_computed = False
+        self.computed: list[tuple[int, int, tuple[int, ...]]] = []  # (hash, block id, tokens) for the KV tier
 
     def track_events(self) -> None:
         """Start recording cache changes; the first ``take_events`` resyncs (cleared + every cached hash)."""
@@ -104,7 +111,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+    def update_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend ``request.block_hashes`` to cover the full blocks among its first ``num_tokens`` tokens."""
         bs = self.block_size
         hashes = request.block_hashes
@@ -118,7 +125,7 @@ class BlockManager:
             return []
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
-        self._update_hashes(request, max_blocks * bs)
+        self.update_hashes(request, max_blocks * bs)
         hits: list[int] = []
         for i in range(max_blocks):
             block_id = self.hash_to_block.get(request.block_hashes[i])
@@ -171,17 +178,53 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
         if num_full <= request.num_cached_blocks:
             return  # no block filled since the last call (a decode fills one every block_size steps)
-        self._update_hashes(request, num_full * bs)
+        self.update_hashes(request, num_full * bs)
         for i in range(request.num_cached_blocks, num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:
                 continue
             block.block_hash = request.block_hashes[i]
             block.token_ids = tuple(request.token_ids[i * bs:(i + 1) * bs])
-            if self.hash_to_block.setdefault(block.block_hash, block.block_id) == block.block_id \
-                    and self._events is not None:
-                self._events.changes[block.block_hash] = True
+            self._publish(block)
+            if self.record_computed and (i + 1) * bs <= request.num_prompt_tokens:
+                self.computed.append((block.block_hash, block.block_id, block.token_ids))
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def _publish(self, block: Block) -> None:
+        if self.hash_to_block.setdefault(block.block_hash, block.block_id) == block.block_id \
+                and self._events is not None:
+            self._events.changes[block.block_hash] = True
+
+    def cached_prefix_length(self, block_hashes: list[int]) -> int:
+        """How many of these leading hashes the cache holds now (hashes only: a lookup, not a hit)."""
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self.hash_to_block:
+            n += 1
+        return n
+
+    def adopt_blocks(self, blocks: list[tuple[int, tuple[int, ...]]]) -> list[int | None]:
+        """Take a free block for each (hash, tokens) whose KV is about to be written from the tier, and cache
+        it. Returns each one's block id, None for a hash the cache already holds (nothing to write); [] when
+        the free pool cannot take them all."""
+        wanted = sum(1 for h, _ in blocks if h not in self.hash_to_block)
+        if wanted > self.num_free_blocks:
+            return []
+        block_ids: list[int | None] = []
+        for block_hash, token_ids in blocks:
+            if block_hash in self.hash_to_block:
+                block_ids.append(None)
+                continue
+            block_id = self._take_free_block()
+            block = self.blocks[block_id]
+            block.block_hash, block.token_ids, block.ref_count = block_hash, token_ids, 0
+            self._publish(block)
+            self.free_queue[block_id] = None  # back of the queue: the newest cached, the last reused
+            block_ids.append(block_id)
+        return block_ids
+
+    def take_computed(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        computed, self.computed = self.computed, []
+        return computed
 
     def free(self, request: Request) -> None:
         for block_id in reversed(request.block_ids):

@@ -17,15 +17,18 @@ exactly schedule -> execute -> update.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.kv_tier import open_kv_tier
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_metrics import StepMetrics
 from engine.structured_output import LLMatcher, StructuredOutputs
+from protocol.engine_load import EngineLoad
 from protocol.messages import RequestOutput
 from protocol.request_ids import sequence_id
 from protocol.sampling_params import SamplingParams
@@ -34,22 +37,21 @@ from worker.config import EngineConfig
 from worker.executor import Executor, make_executor
 
 logger = logging.getLogger(__name__)
+KV_WAIT = 0.005  # seconds an engine with only KV-tier lookups to wait for sleeps on them per step
 
 
 @dataclass
 class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_usage: float
+    load: EngineLoad  # waiting, running, KV usage, step: the figures every tier shares
     num_kv_blocks: int
     prefix_cache_hit_rate: float
     num_preemptions: int
-    steps: int
     generated_tokens: int
     prompt_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     histograms: dict = field(default_factory=dict)  # engine.step_metrics.StepMetrics.wire()
+    kv_tier: dict | None = None  # engine.kv_tier.KVTier.stats(), when the engine has a tier
 
 
 class EngineCore:
@@ -73,6 +75,8 @@ class EngineCore:
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.metrics = StepMetrics()
+        self.kv_tier = open_kv_tier(config, self.executor, self.block_manager) if config.kv_tier_url else None
+        self._handed_off: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()  # filled by the tier's thread
         self.structured = StructuredOutputs(config.model, self.vocab_size, list(self.executor.eos_token_ids))
         logger.info("async scheduling %s", "on: the next step is launched before the last one's tokens are back"
                     if self.executor.overlaps_steps else "off: one step at a time")
@@ -89,8 +93,9 @@ class EngineCore:
         return usable
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError (nothing queued) for a bad prompt or a duplicate id."""
+                    arrival_time: float | None = None, handoff: bool = False) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for a bad prompt or a duplicate id. ``handoff``:
+        prefill it only (``protocol.messages.AddRequest.handoff``; ignored without a KV tier or with n > 1)."""
         if request_id in self.children:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -116,7 +121,10 @@ class EngineCore:
         self.children[request_id] = [k.request_id for k in kids]
         self.metrics.on_queued(self.children[request_id])
         self.prompt_tokens += len(prompt_token_ids)
+        kids[0].handoff = handoff and params.n == 1 and self.kv_tier is not None
         self.scheduler.add_request(kids[0])
+        if self.kv_tier is not None:
+            self.kv_tier.lookup(kids[0])
         if len(kids) > 1 and self.config.enable_prefix_caching:
             self.held_siblings[kids[0].request_id] = kids[1:]
         else:
@@ -161,6 +169,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Submit a new batch when the executor has room; apply the oldest batch's output once it is full or
         nothing new was scheduled (see the module docstring). May return nothing while work remains."""
+        outputs = self._take_handed_off()
+        if self.kv_tier is not None:
+            self.kv_tier.apply_loaded(self.scheduler.requests)
         if len(self.in_flight) < self.executor.max_in_flight:
             sched = self.scheduler.schedule()
             if not sched.is_empty or sched.finished_req_ids:
@@ -169,24 +180,46 @@ class EngineCore:
                 self.executor.submit_step(sched)
                 self.in_flight.append(sched)
                 if not sched.is_empty and len(self.in_flight) < self.executor.max_in_flight:
-                    return []
+                    return outputs
         if not self.in_flight:
-            return []
+            if self.kv_tier is not None and self.kv_tier.has_pending and not outputs:
+                self.kv_tier.wait(KV_WAIT)  # nothing to run until a prefix is in or a handoff stored: do not spin
+            return outputs
         sched = self.in_flight.popleft()
         result = self.executor.collect_step()
         self.steps += 1
         updates = self.scheduler.update_from_output(sched, result)
+        handoffs = []
         self.generated_tokens += len(updates)
-        outputs = []
         on_token = self.metrics.on_token
         for update in updates:
             request, token = update.request, update.token
-            outputs.append(self._output(request, [token.token_id], token.logprobs, token.prompt_logprobs))
+            out = self._output(request, [token.token_id], token.logprobs, token.prompt_logprobs)
+            if request.handoff and not update.finished:
+                self.scheduler.finish_handoff(request)  # its blocks stay cached; the tier gets them just below
+                out.handoff = True
+                handoffs.append(out)
+                on_token(request.request_id, True)
+                continue
+            outputs.append(out)
             on_token(request.request_id, update.finished)
             if update.finished:
                 self._forget_child(request.parent_id, request.request_id)
+        if self.kv_tier is not None:
+            self.kv_tier.save_computed()
+            if handoffs:  # answered once the tier holds the prompt's blocks, so the decode engine finds them
+                self.kv_tier.after_stored(lambda outs=handoffs: self._handed_off.put(outs))
         if self.held_siblings:
             self._release_siblings()
+        return outputs
+
+    def _take_handed_off(self) -> list[RequestOutput]:
+        """The handoff outputs whose blocks the tier has stored since the last step (see ``AddRequest.handoff``)."""
+        outputs = []
+        while not self._handed_off.empty():
+            for out in self._handed_off.get():
+                self._forget_child(out.request_id, out.request_id)
+                outputs.append(out)
         return outputs
 
     def _constrained_rows(self, sched: SchedulerOutput) -> list[tuple[str, LLMatcher]]:
@@ -220,20 +253,26 @@ class EngineCore:
                 for sibling in self.held_siblings.pop(first_id):
                     self.scheduler.add_request(sibling)
 
+    def load(self) -> EngineLoad:
+        """The load figures now; held-back n > 1 siblings count as waiting."""
+        held = sum(len(v) for v in self.held_siblings.values())
+        return EngineLoad(waiting=self.scheduler.num_waiting + held, running=self.scheduler.num_running,
+                          kv_usage=self.block_manager.usage, step=self.steps, ts=time.time())
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_waiting=self.scheduler.num_waiting + sum(len(v) for v in self.held_siblings.values()),
-            num_running=self.scheduler.num_running,
-            kv_usage=bm.usage, num_kv_blocks=bm.num_blocks,
+            load=self.load(), num_kv_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-            num_preemptions=self.scheduler.num_preemptions, steps=self.steps,
+            num_preemptions=self.scheduler.num_preemptions,
             generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-            histograms=self.metrics.wire())
+            histograms=self.metrics.wire(), kv_tier=None if self.kv_tier is None else self.kv_tier.stats())
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.kv_tier is not None:
+            self.kv_tier.close()
         self.executor.shutdown()

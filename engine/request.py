@@ -11,11 +11,13 @@ from protocol.sampling_params import SamplingParams
 
 class RequestStatus(enum.StrEnum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is being loaded from the KV tier (engine.kv_tier)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_HANDOFF = "finished_handoff"  # its first token sampled, it goes on on another engine (no finish reason)
 
     @property
     def finished(self) -> bool:
@@ -26,7 +28,8 @@ class RequestStatus(enum.StrEnum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_HANDOFF}
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
@@ -63,6 +66,7 @@ class Request:
         self.grammar = None  # llguidance LLMatcher of a structured-output sequence (engine.structured_output)
         self.num_in_flight_steps = 0  # submitted steps that hold this request and whose output is not back yet
         self.num_in_flight_tokens = 0  # the tokens those steps compute
+        self.handoff = False  # prefill only: ends after its first token, continued elsewhere (engine.core)
 
     @property
     def num_tokens(self) -> int:

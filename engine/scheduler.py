@@ -4,7 +4,9 @@ Each step gives every running request its next tokens (one for a decode, a chunk
 ``max_num_batched_tokens``, then admits waiting requests while budget, ``max_num_seqs`` and KV blocks
 allow. When a running request cannot get a block, the latest-admitted running request is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed (its prefix-cached
-blocks usually make that cheap). No waiting request is admitted in a step that preempted.
+blocks usually make that cheap). No waiting request is admitted in a step that preempted. A request whose
+prefix is being loaded from the KV tier (``WAITING_FOR_KV``, ``engine.kv_tier``) keeps its place in the queue
+but is passed over until its blocks are in.
 
 Steps in flight (pipeline parallelism keeps one per stage): a request scheduled in a step is in flight
 until ``update_from_output`` of that step; ``schedule`` skips it (its next tokens depend on that step) and
@@ -141,7 +143,7 @@ class Scheduler:
                 and request.num_computed_tokens + request.num_in_flight_tokens == request.num_tokens
                 and (params.max_tokens is None or request.num_output_tokens + 1 < params.max_tokens)
                 and request.num_tokens + 1 < self.config.max_model_len
-                and request.grammar is None and not params.needs_penalties)
+                and request.grammar is None and not params.needs_penalties and not request.handoff)
 
     def _batch_seq_limit(self) -> int:
         """The most requests one batch may take (see the module docstring)."""
@@ -160,7 +162,10 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, max_seqs: int) -> int:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(out.num_scheduled_tokens) < max_seqs):
-            request = self.waiting[0]
+            index = next((i for i, r in enumerate(self.waiting) if r.status != RequestStatus.WAITING_FOR_KV), None)
+            if index is None:
+                break  # every waiting request is having its prefix loaded (engine.kv_tier)
+            request = self.waiting[index]
             computed = self._cached_prefix(request)
             num_computed = request.num_computed_tokens + len(computed) * self.block_manager.block_size
             num_new = request.num_tokens - num_computed
@@ -170,7 +175,7 @@ class Scheduler:
                 num_new = budget
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
@@ -200,7 +205,7 @@ class Scheduler:
                 req_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=list(request.output_token_ids),
-                sampling=request.params.to_dict(),
+                sampling=request.params,
                 block_ids=list(request.block_ids),
                 num_computed_tokens=request.num_computed_tokens,
             ))
@@ -248,6 +253,10 @@ class Scheduler:
                     self._finish(request, status)
                 updates.append(TokenUpdate(request, token, request.status.finished))
         return updates
+
+    def finish_handoff(self, request: Request) -> None:
+        """End a prefill-only request after its first token (``Request.handoff``): freed, its blocks cached."""
+        self._finish(request, RequestStatus.FINISHED_HANDOFF)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params

@@ -13,6 +13,10 @@ Data parallelism: ``engine.dp_wave.DpWaves`` keeps this engine's wave (START_DP_
 when it gets work outside a running wave) and runs lockstep dummy steps; the busy loop flushes the
 stats as soon as the wave state changes, and the output thread sends StartWave after them.
 
+Roles (``--role``): a ``prefill`` engine gets new requests marked ``handoff`` from the clients and answers each
+with its first token once the tier holds the prompt's blocks (``engine.core``); a ``decode`` engine gets the
+continuations; ``both`` (the default) does everything. The role is a field of the engine's registry hash.
+
 Lifecycle: register (starting) -> heartbeat -> load the model -> READY. SIGTERM/SIGINT drain: state
 DRAINING (clients stop routing here), requests in flight finish, or are aborted with an error after
 ``drain_timeout``; then deregister and exit 0. A failure inside a step fails every request in
@@ -53,11 +57,11 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
 )
-from protocol.sampling_params import SamplingParams
 from worker.config import EngineConfig
 from worker.multiproc_executor import WorkerDied
 
 logger = logging.getLogger(__name__)
+ROLES = ("both", "prefill", "decode")  # prefill/decode disaggregation (README 'Prefill/decode disaggregation')
 
 
 @dataclass
@@ -97,7 +101,12 @@ class EngineServer:
     def __init__(self, config: EngineConfig, redis_url: str, dp_rank: int = 0, engine_id: str | None = None,
                  key_prefix: str = "rs", heartbeat_ttl: float = 5.0, drain_timeout: float = 30.0,
                  dp_lockstep: bool = False, worker_address: str | None = None, worker_port: int = 0,
-                 worker_link_timeout: float = 10.0):
+                 worker_link_timeout: float = 10.0, role: str = "both"):
+        if role not in ROLES:
+            raise ValueError(f"unknown engine role {role!r}; use one of {', '.join(ROLES)}")
+        if role != "both" and not config.kv_tier_url:
+            raise ValueError(f"a {role} engine hands requests over through the KV tier: give it --kv-tier-url")
+        self.role = role
         self.config = config
         self.dp_rank = dp_rank
         self.engine_id = engine_id or str(dp_rank)
@@ -185,7 +194,8 @@ class EngineServer:
         self.incarnation = self.registry.register(
             self.engine_id, {"dp_rank": self.dp_rank, "tp": self.config.tensor_parallel_size,
                              "pp": self.config.pipeline_parallel_size, "remote_stages": self.config.remote_stages,
-                             "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl, "presence": 1})
+                             "model": self.config.model, "heartbeat_ttl": self.heartbeat_ttl, "presence": 1,
+                             "role": self.role})
 
     def _mark_ready(self) -> None:
         if not self.presence.wait_subscribed(timeout=5.0):  # clients read a missing presence as a dead engine
@@ -324,8 +334,8 @@ class EngineServer:
         if msg.request_id in self.in_flight:
             return
         try:
-            params = SamplingParams.from_dict(msg.params)
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time)
+            params = msg.params.validate()  # decoding checked the types; the ranges are checked here, once
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, params, msg.arrival_time, handoff=msg.handoff)
         except (ValueError, TypeError) as exc:
             batch.add(self.engine_id, msg.client_id,
                       RequestOutput.failure(msg.request_id, ErrorCode.INVALID_REQUEST, str(exc)))
@@ -345,7 +355,7 @@ class EngineServer:
             out.finish_reason = FinishReason.ERROR
             out.error_code, out.error_message = error
         batch.add(self.engine_id, flight.client_id, out)
-        if out.finish_reason is not None:
+        if out.finish_reason is not None or out.handoff:  # a handed-off sequence is done here too
             flight.remaining -= 1
             if flight.remaining <= 0:
                 del self.in_flight[out.request_id]
@@ -372,13 +382,14 @@ class EngineServer:
 
     def _stats(self) -> dict:
         s = self.core.stats()
-        return {"waiting": s.num_waiting, "running": s.num_running, "kv_usage": round(s.kv_usage, 4),
-                "num_steps": s.steps, "generated_tokens": s.generated_tokens, "prompt_tokens": s.prompt_tokens,
+        return {**s.load.stats_fields(),
+                "generated_tokens": s.generated_tokens, "prompt_tokens": s.prompt_tokens,
                 "num_preemptions": s.num_preemptions, "prefix_cache_queries": s.prefix_cache_queries,
                 "prefix_cache_hits": s.prefix_cache_hits, "histograms": s.histograms,
-                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), "stats_at": round(time.time(), 3),
+                "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4), **s.load.stats_stamp(),
                 "prefix_index_bytes": self.prefix_index.sent_bytes,
                 "prefix_index_commands": self.prefix_index.sent_commands,
+                **{f"kv_tier_{name}": value for name, value in (s.kv_tier or {}).items()},
                 **self.waves.fields()}
 
     def _flush(self, batch: StepBatch, force_stats: bool = False) -> None:

@@ -9,6 +9,8 @@ engine -> worker -> protocol; it imports nothing of theirs.
 - ``messages``: every message that crosses Redis between the API's broker client and the engines.
 - ``step_types``: what the scheduler sends its workers each step and what they send back.
 - ``errors``: ``MessageError``, what decoding bytes that are not a message raises.
+- ``engine_load``: ``EngineLoad``, an engine's load figures (waiting, running, KV usage, step) as the engine
+  measures them, its stats carry them through Redis, the coordinator snapshots them and the API scores them.
 - ``prefix_hash``: the chained hashes of a prompt's full KV blocks, the same in the API's cache-aware router
   and the engine's prefix cache.
 - ``output_processor``: engine outputs turned into each choice's text (with ``detokenizer`` and

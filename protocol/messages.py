@@ -11,6 +11,8 @@ Rules:
   needs no version bump; changing or removing one does.
 - `AddRequest.prompt_token_ids` is checked to be a list of ints (an engine must not crash on a
   bad request); token ids are not checked against the vocabulary here, the engine does that.
+- `AddRequest.params` is a typed `SamplingParams` (a map of its non-default engine fields by name), never a
+  dict: decoding checks the types; the engine checks the ranges (`SamplingParams.validate`).
 - Errors are not a separate message type: a failed request ends with a `RequestOutput` whose
   `finish_reason` is `FinishReason.ERROR`, `error_code` an `ErrorCode` and `error_message` the detail
   for humans (`RequestOutput.failure` builds one). An engine that fails as a whole sends such an output
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 import msgpack
 
 from protocol.errors import MessageError
+from protocol.sampling_params import SamplingParams
 from protocol.wire_schema import wire
 
 __all__ = [
@@ -83,23 +86,31 @@ def make_error(code: ErrorCode, detail: str) -> str:
 @wire(tag="add")
 @dataclass(slots=True)
 class AddRequest:
-    """Start a request. `params` is `SamplingParams.to_engine_dict()`; the engine rebuilds it with
-    `SamplingParams.from_dict`, defaults for missing keys. Stop strings (and the other API-only
-    fields) are not sent: the API applies them to the text, the engine never sees text. Dropping a
-    key from `params` is compatible both ways (an old engine fills in the default, a new one still
-    accepts the key), so it needs no version bump.
+    """Start a request. `params` is the request's `SamplingParams`, built and checked by the API; on the wire
+    a map of its fields that differ from their defaults (`protocol.sampling_params`). Stop strings (and the
+    other API-only fields) are not sent: the API applies them to the text, the engine never sees text. The
+    engine checks the decoded params' ranges (`SamplingParams.validate`) and answers a bad request with
+    `ErrorCode.INVALID_REQUEST`. Version 1 carried the params as a plain dict of the same names, which this
+    map reads alike (both ways), so the layout is unchanged; a new sampling field that an older engine must
+    not ignore needs a version bump.
 
     `client_id` names the output channel the engine publishes to. `arrival_time` and `deadline`
     are wall-clock seconds (time.time()); past its deadline a request is failed (client side) and
     should be aborted (engine side). n > 1 is expanded by the engine; outputs carry an `index`.
+
+    `handoff` (prefill/decode disaggregation, set by the client on a request it places on a prefill engine): the
+    engine computes the prompt, samples the first token, stores the prompt's blocks in its KV tier and then
+    answers that token with `RequestOutput.handoff` set and drops the request; the client continues it on a
+    decode engine (`broker.client.migration`). An engine without a KV tier, or a request with n > 1, ignores it.
     """
 
     request_id: str
     client_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     arrival_time: float
     deadline: float | None = None
+    handoff: bool = False  # prefill only: after the first token the engine hands the request on (through the KV tier)
 
 
 @wire(tag="abort")
@@ -167,6 +178,7 @@ class RequestOutput:
     error_code: ErrorCode | None = None
     prompt_logprobs: list | None = None
     error_message: str | None = None
+    handoff: bool = False  # the sequence goes on elsewhere: its prompt's KV is in the tier (see AddRequest)
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and type(self.finish_reason) is not FinishReason:
@@ -220,10 +232,10 @@ M = TypeVar("M", AddRequest, AbortRequests, UtilityCall, StartWave, EngineOutput
 
 
 def encode(msg: Message) -> bytes:
-    """Encode a top-level message; raise MessageError if a field is not msgpack-able."""
+    """Encode a top-level message; raise MessageError if a field is not msgpack-able (or not its declared record)."""
     try:
         return msgpack.packb(msg.to_wire(), use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # AttributeError: a record field holds no record
         raise MessageError(f"cannot encode {type(msg).__name__}: {e}") from e
 
 

@@ -7,12 +7,16 @@ name (the API turns it into a 400 naming that field).
 Rules:
 - Bounded cost: at most `MAX_STOP_STRINGS` stop strings of `MAX_STOP_BYTES` UTF-8 bytes in all, at
   most `MAX_STOP_TOKEN_IDS` stop token ids, n <= `MAX_N`.
-- The wire (`AddRequest.params`) carries `to_engine_dict()`: the fields the engine uses. The
-  `API_ONLY_FIELDS` (stop strings, include_stop_str_in_output, skip_special_tokens) are applied
-  where text exists (the API process) and never travel; `from_dict` fills every missing field with
-  its default, so engines read old and new messages alike. `structured_output` (a grammar spec,
-  see `engine.structured_output`) travels only when set, so unconstrained requests still reach
-  engines that predate it (an older engine rejects a constrained one as an unknown parameter).
+- Built and checked once, where the request is made (the API handler, `LLM.generate`), then carried
+  as a typed field (`AddRequest.params`, `NewRequestData.sampling`) down to the sampler: never as a dict.
+- On the wire it is a `by_name` record (`protocol.wire_schema`): a map of the fields that differ from
+  their defaults, e.g. `{"temperature": 0.7, "max_tokens": 100}`; a missing field is its default. The
+  API-only fields (`stop`, `include_stop_str_in_output`, `skip_special_tokens`, declared `off_wire`)
+  are applied where text exists (the API process) and never travel: a decoded one has their defaults.
+- Decoding checks each field's type, not its range: a receiver of untrusted bytes (the engine) calls
+  `validate()`, which raises the same ValueError as construction. Unknown keys are ignored (the wire's
+  rule), so a new field that changes what is generated must come with a version bump of `AddRequest`:
+  an engine that predates it then refuses the request rather than ignoring the field.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from protocol.wire_schema import off_wire, wire
 
 _GREEDY_EPSILON = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -29,9 +35,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 4096
 MAX_STOP_TOKEN_IDS = 1024
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # engine.structured_output
-API_ONLY_FIELDS = frozenset({"stop", "include_stop_str_in_output", "skip_special_tokens"})
 
 
+@wire(by_name=True)
 @dataclass
 class SamplingParams:
     """vLLM-compatible sampling parameters.
@@ -56,13 +62,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = off_wire(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = off_wire(default=False)
+    skip_special_tokens: bool = off_wire(default=True)
     structured_output: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -70,9 +76,15 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> SamplingParams:
+        """Check every range (ValueError naming the field; see the class docstring) and normalize top_k -1 to 0.
+        Construction calls it; a receiver calls it on a decoded one (decoding checks types only)."""
         self._check()
         if self.top_k == -1:
             self.top_k = 0
+        return self
 
     def _check(self) -> None:
         _require(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n}")
@@ -118,23 +130,6 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for the wire (msgpack); ``from_dict`` rebuilds and re-validates it."""
-        return dataclasses.asdict(self)
-
-    def to_engine_dict(self) -> dict[str, Any]:
-        """`to_dict()` without the `API_ONLY_FIELDS`: what `AddRequest.params` carries to an engine."""
-        return {name: value for name, value in self.to_dict().items()
-                if name not in API_ONLY_FIELDS and not (name == "structured_output" and value is None)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
-        return cls(**data)
 
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n parallel samples: n=1, and a distinct seed when seeded."""

@@ -1,8 +1,11 @@
 """Wire types declared once: a dataclass plus `@wire(...)` gets its msgpack codec and its validation.
 
 Declaring: decorate a `@dataclass` with `@wire(tag=..., version=...)` (a top-level message, a msgpack
-map; the class gets `TYPE` and `VERSION`) or `@wire(array=True)` (a record, a positional array). Its
-fields, in declared order, are the wire fields; a field with a default is optional on the wire.
+map; the class gets `TYPE` and `VERSION`), `@wire(array=True)` (a record, a positional array) or
+`@wire(by_name=True)` (a record, a map of its fields by name, without tag or version: readable where
+most fields keep their defaults). Its fields, in declared order, are the wire fields; a field with a
+default is optional on the wire. A field declared with `off_wire(...)` never travels: it is for the
+sender's side only, and a decoded object has its default there.
 Field types: `str`, `int`, `float`, `bool`, `bytes`, `Any`, an `Enum` (travels as its value), another
 wire type, `list[...]` / `dict[str, ...]` of those, `X | None`, and unions of scalars such as
 `int | str | None`. Anything else is a TypeError at import time, so no field goes unchecked by accident.
@@ -11,6 +14,7 @@ decode a list of records in one call, `from_wire_list(items)` (arrays also get `
 
 Layouts (plain msgpack, readable with any msgpack library, e.g. what `redis-cli` hands you):
 - map: `{"t": tag, "v": version, name: value, ...}`; a field equal to its default is left out.
+  A `by_name` record is the same map without "t" and "v".
 - array: `[field0, field1, ...]` in declared order; trailing fields equal to their defaults are left
   out, so a rarely-set field declared last costs nothing; a shorter array gets them back as defaults.
 Adding a field with a default (at the end, for an array) is compatible both ways and needs no version
@@ -39,7 +43,7 @@ from typing import Any
 
 from protocol.errors import MessageError
 
-__all__ = ["WireSpec", "wire"]
+__all__ = ["WireSpec", "off_wire", "wire"]
 
 _SCALARS = (str, int, float, bool, bytes)
 
@@ -54,10 +58,16 @@ class WireSpec:
     array: bool
     fields: tuple[dataclasses.Field, ...]
     hints: dict[str, Any]
+    local: tuple[dataclasses.Field, ...] = ()  # `off_wire` fields: never sent, their defaults when decoded
+
+
+def off_wire(**field_args: Any) -> Any:
+    """`dataclasses.field(...)` for a field that never travels (it needs a default or a default_factory)."""
+    return dataclasses.field(**field_args, metadata={"wire": False})
 
 
 def wire(cls: type | None = None, *, tag: str | None = None, version: int = 1, array: bool = False,
-         trusted: bool = False) -> Any:
+         by_name: bool = False, trusted: bool = False) -> Any:
     """Give a dataclass its codec (see the module rules)."""
 
     def build(c: type) -> type:
@@ -65,9 +75,13 @@ def wire(cls: type | None = None, *, tag: str | None = None, version: int = 1, a
             raise TypeError(f"@wire needs a dataclass, got {c.__qualname__}")
         if c.__dataclass_params__.frozen:
             raise TypeError(f"{c.__qualname__}: @wire decodes by setting fields, so it cannot be frozen")
-        if array == (tag is not None):
-            raise TypeError(f"{c.__qualname__}: a wire type is either a tagged map or an array")
-        spec = WireSpec(c, tag, version, array, tuple(dataclasses.fields(c)), typing.get_type_hints(c))
+        if (tag is not None) + array + by_name != 1:
+            raise TypeError(f"{c.__qualname__}: a wire type is one of a tagged map, an array or a by_name map")
+        fields = tuple(f for f in dataclasses.fields(c) if f.metadata.get("wire", True))
+        local = tuple(f for f in dataclasses.fields(c) if f not in fields)
+        if any(not _has_default(f) for f in local):
+            raise TypeError(f"{c.__qualname__}: a field off the wire needs a default")
+        spec = WireSpec(c, tag, version, array, fields, typing.get_type_hints(c), local)
         c.__wire__ = spec
         if tag is not None:
             c.TYPE, c.VERSION = tag, version
@@ -135,7 +149,7 @@ class _Codegen:
                 out.append("    return out")
             return ("to_wire_list" if as_list else "to_wire"), "\n".join(out), self.ns
         out.append("def to_wire(o):")
-        head = [f"'t': {self.spec.tag!r}", f"'v': {self.spec.version!r}"]
+        head = [] if self.spec.tag is None else [f"'t': {self.spec.tag!r}", f"'v': {self.spec.version!r}"]
         head += [f"{f.name!r}: {values[f.name]}" for f in fields if not _has_default(f)]
         out.append(f"    d = {{{', '.join(head)}}}")
         for f in fields:
@@ -225,7 +239,7 @@ class _Codegen:
 
     def plain_positional(self) -> bool:
         """True if the class can be built as `cls(*raw)`: an array whose fields need no decoding."""
-        return (self.spec.array and not hasattr(self.spec.cls, "__post_init__")
+        return (self.spec.array and not hasattr(self.spec.cls, "__post_init__") and not self.spec.local
                 and all(_plain(self.spec.hints[f.name]) for f in self.spec.fields))
 
     def positional_decoder(self, as_list: bool) -> tuple[str, str, dict]:
@@ -277,6 +291,7 @@ class _Codegen:
         # Built without __init__: every field is set here, and __post_init__ is for callers' conveniences.
         self.lines.append(f"{pad}o = _new(_cls)")
         self.lines.extend(f"{pad}o.{f.name} = v{i}" for i, f in enumerate(self.spec.fields))
+        self.lines.extend(f"{pad}o.{f.name} = {self.default_expr(f)}" for f in self.spec.local)
 
     def default_expr(self, f: dataclasses.Field) -> str:
         if f.default_factory is not dataclasses.MISSING:
@@ -297,8 +312,10 @@ class _Codegen:
             cond = f"type({var}) is list"
         elif tp is dict or origin is dict:
             cond = f"type({var}) is dict"
+        elif _is_wire(tp):
+            cond = f"type({var}) is {'list' if tp.__wire__.array else 'dict'}"  # its own decoder checks the rest
         else:
-            return None  # Any; enums and records are checked (and decoded) by `check`
+            return None  # Any and enums are checked (and decoded) by `check`
         return f"({var} is None or {cond})" if optional else cond
 
     def check(self, tp: Any, var: str, where: str, indent: int, shallow_done: bool = False) -> None:
@@ -337,6 +354,10 @@ class _Codegen:
             add(f"{pad}except (KeyError, TypeError):")
             add(f"{pad}    raise MessageError({f'{where}: unknown {tp.__name__} '!r} + repr({var})) from None")
         elif _is_wire(tp):
+            if not shallow_done:
+                layout = "list" if tp.__wire__.array else "dict"
+                add(f"{pad}if type({var}) is not {layout}:")
+                add(f"{pad}    _bad({where!r}, {'an array' if tp.__wire__.array else 'a map'!r}, {var})")
             add(f"{pad}{var} = {self.name(tp.from_wire, 'dec')}({var})")
         elif origin in (types.UnionType, typing.Union) and all(a in _SCALARS for a in _args(tp)):
             if not shallow_done:

@@ -41,6 +41,11 @@ def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    default=os.environ.get("REDSERVE_ENFORCE_EAGER", "").strip().lower() in ("1", "true", "yes", "on"),
                    help="no CUDA graphs: decode steps run eagerly too (default: captured per batch bucket on CUDA)")
+    g.add_argument("--kv-tier-url", default=env("REDSERVE_KV_TIER_URL") or None,
+                   help="the KV tier (README 'KV tier'): a Valkey/Redis of its own (maxmemory, allkeys-lru), never "
+                        "the control Redis, or shm:///NAME?maxmemory=4gb for a pool shared by the engines of this "
+                        "host; engines store full prefix blocks there and load a missing prefix from it "
+                        "(default: $REDSERVE_KV_TIER_URL; none)")
     g.add_argument("--async-scheduling", choices=["auto", "on", "off"],
                    default=os.environ.get("REDSERVE_ASYNC_SCHEDULING", "auto"),
                    help="schedule and launch the next step while the last one runs on the device (auto: on for a "
@@ -63,6 +68,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_chunked_prefill=not args.no_chunked_prefill, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size, remote_stages=getattr(args, "remote_stages", 0),
         seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
+        kv_tier_url=getattr(args, "kv_tier_url", None),
         async_scheduling={"on": True, "off": False}.get(getattr(args, "async_scheduling", "auto")))
 
 
@@ -77,11 +83,15 @@ def cmd_engine(args: argparse.Namespace) -> int:
     except ValueError as e:  # a model directory without config.json, a bad dtype...: one line, not a traceback
         sys.exit(f"redserve engine: {e}")
     set_title(f"redserve-engine-{args.dp_rank}")
-    server = EngineServer(config, args.redis_url, dp_rank=args.dp_rank,
-                          engine_id=args.engine_id, key_prefix=args.key_prefix,
-                          drain_timeout=args.drain_timeout, heartbeat_ttl=args.heartbeat_ttl,
-                          dp_lockstep=args.dp_lockstep, worker_address=args.worker_address,
-                          worker_port=args.worker_port, worker_link_timeout=args.worker_link_timeout)
+    try:
+        server = EngineServer(config, args.redis_url, dp_rank=args.dp_rank,
+                              engine_id=args.engine_id, key_prefix=args.key_prefix,
+                              drain_timeout=args.drain_timeout, heartbeat_ttl=args.heartbeat_ttl,
+                              dp_lockstep=args.dp_lockstep, worker_address=args.worker_address,
+                              worker_port=args.worker_port, worker_link_timeout=args.worker_link_timeout,
+                              role=args.role)
+    except ValueError as e:  # a role without a KV tier
+        sys.exit(f"redserve engine: {e}")
     server.install_signal_handlers()
     return server.run()
 
@@ -219,10 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-batch-worker", action="store_true", help="do not start a batch (Celery) worker")
     p.add_argument("--redis-replicas", type=int, default=int(os.environ.get("REDSERVE_REDIS_REPLICAS", 0)),
                    help="N >= 1: the embedded Redis runs as a primary, N replicas and three sentinels, and a "
-                        "killed primary is replaced by a replica (README 'Redis replication'); 0: one server")
+                        "killed primary is replaced by a replica (README 'Redis replication'); 0: one server. "
+                        "With --redis-cluster: R replicas for each primary, the cluster's own failover")
     p.add_argument("--redis-cluster", type=int, default=int(os.environ.get("REDSERVE_REDIS_CLUSTER", 0)),
                    help="N >= 1: the embedded Redis runs as a Redis Cluster of N primaries, keys and output "
                         "channels sharded over them (README 'Redis Cluster'); 0: one server")
+    p.add_argument("--prefill-engines", type=int, default=0,
+                   help="prefill/decode disaggregation (README): P engines that compute prompts and hand each request "
+                        "to one of --decode-engines D engines through the KV tier (started with 1gb unless "
+                        "--kv-tier-memory / --kv-tier-url say otherwise); instead of --data-parallel-size")
+    p.add_argument("--decode-engines", type=int, default=0, help="see --prefill-engines")
+    p.add_argument("--kv-tier-memory", default=os.environ.get("REDSERVE_KV_TIER_MEMORY") or None,
+                   help="start an embedded Valkey of this size (e.g. 4gb; allkeys-lru) as the engines' KV tier "
+                        "(README 'KV tier'); or point at one with --kv-tier-url")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a child restarted this many times within --restart-window seconds that dies again "
                         "stops the stack (crash loop)")
@@ -241,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a heartbeat after which clients and the coordinator take this engine for dead")
     p.add_argument("--dp-lockstep", action="store_true",
                    help="run dummy steps while idle in a running DP wave (also on when the coordinator says so)")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default=os.environ.get("REDSERVE_ENGINE_ROLE", "both"),
+                   help="prefill/decode disaggregation (README): prefill engines compute prompts and hand each request "
+                        "to a decode engine through the KV tier (needs --kv-tier-url); both: no split")
     g = p.add_argument_group("pipeline stages on other hosts (README 'Two hosts')")
     g.add_argument("--remote-stages", type=int, default=int(os.environ.get("REDSERVE_REMOTE_STAGES", 0)),
                    help="the last N pipeline stages run on worker hosts (`redserve worker`), not here")

@@ -29,6 +29,9 @@ Rules:
   with the bus on `cluster_port` and the nodes file at `cluster_config_file` (kept by the launcher across a
   restart, so a node comes back with its id and slots); a node is failing after ``cluster-node-timeout``
   (`CLUSTER_NODE_TIMEOUT_MS`); with a slot uncovered the cluster refuses commands, sharded pub/sub included.
+  A replica (``--redis-cluster N --redis-replicas R``, made one by CLUSTER REPLICATE, never by ``replicaof``)
+  takes over a failed primary however long its link was down (``cluster-replica-validity-factor 0``): its
+  data, however old, beats the empty primary a restart would bring back.
   `APP_USER` may read the topology (CLUSTER SLOTS / SHARDS / NODES / INFO / KEYSLOT / MYID) but changes none.
 - Sentinels (`render_sentinel`): same ACL users and passwords as the data nodes, but `APP_USER` may only ask
   where the primary and replicas are (`SENTINEL_APP_RULES`: no SENTINEL FAILOVER/SET/REMOVE/RESET/CONFIG);
@@ -67,6 +70,7 @@ class ServerConfig:
     admin_password: str
     unix_socket: str | None = None
     maxmemory: str = DEFAULT_MAXMEMORY
+    maxmemory_policy: str = "noeviction"  # allkeys-lru for the KV tier's store (a cache, never the control Redis)
     proc_title: str | None = "redserve-redis {listen-addr}"
     replica_of: tuple[str, int] | None = None
     cluster_port: int | None = None
@@ -92,7 +96,7 @@ def render(config: ServerConfig) -> str:
         f'dir "{config.directory}"',
         f'logfile "{config.logfile}"',
         f"maxmemory {config.maxmemory}",
-        "maxmemory-policy noeviction",
+        f"maxmemory-policy {config.maxmemory_policy}",
         f"client-output-buffer-limit pubsub {PUBSUB_OUTPUT_BUFFER_LIMIT}",
         "user default off resetpass resetkeys resetchannels -@all",
         f"user {APP_USER} on >{config.app_password} {APP_USER_RULES}",
@@ -109,7 +113,8 @@ def render(config: ServerConfig) -> str:
     if config.cluster_port is not None:
         lines += ["cluster-enabled yes", f"cluster-port {config.cluster_port}",
                   f'cluster-config-file "{config.cluster_config_file}"', f"cluster-node-timeout {CLUSTER_NODE_TIMEOUT_MS}",
-                  "cluster-require-full-coverage yes", "cluster-allow-pubsubshard-when-down no"]
+                  "cluster-require-full-coverage yes", "cluster-allow-pubsubshard-when-down no",
+                  "cluster-replica-validity-factor 0"]
     return "\n".join(lines) + "\n"
 
 

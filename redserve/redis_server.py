@@ -22,7 +22,8 @@ Rules:
 - `stop()` sends SHUTDOWN NOSAVE (as admin), then SIGTERM, then SIGKILL; it is idempotent, registered with
   atexit, and does nothing in a forked child (a gunicorn worker exiting must not stop the server).
   `restart()` stops and starts again on the same port with the same passwords (to test reconnects).
-- The process is titled ``redserve-redis 127.0.0.1:PORT``; its pid is `EmbeddedRedis.pid`, its log is
+- The process is titled ``redserve-redis 127.0.0.1:PORT`` (``title`` names another role: the KV tier's store,
+  ``redserve-kv-tier``, which also runs ``maxmemory_policy`` allkeys-lru); its pid is `EmbeddedRedis.pid`, its log is
   `<tempdir>/redis.log` while it runs.
 - Replication (`redserve.redis_replicas` builds the set): several servers share one `passwords` dict; one
   with `replica_of` set starts as a replica of that address, and one with `sentinel_of` set runs as a
@@ -188,7 +189,8 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, unix_socket: bool = False, startup_timeout: float = 10.0,
                  maxmemory: str = DEFAULT_MAXMEMORY, server_binary: str | None = None,
                  passwords: dict[str, str] | None = None, replica_of: tuple[str, int] | None = None,
-                 sentinel_of: tuple[str, int] | None = None, cluster_config_file: str | None = None) -> None:
+                 sentinel_of: tuple[str, int] | None = None, cluster_config_file: str | None = None,
+                 maxmemory_policy: str = "noeviction", title: str = "redserve-redis") -> None:
         if sentinel_of is not None and (replica_of is not None or unix_socket):
             raise ValueError("a sentinel listens on TCP and replicates nothing")
         if cluster_config_file is not None and (sentinel_of is not None or unix_socket):
@@ -197,6 +199,8 @@ class EmbeddedRedis:
         self._unix_socket = unix_socket
         self._startup_timeout = startup_timeout
         self._maxmemory = maxmemory
+        self._maxmemory_policy = maxmemory_policy
+        self._title = title
         self._server_binary = server_binary
         self._passwords = passwords or new_passwords()
         self.replica_of = replica_of
@@ -350,6 +354,8 @@ class EmbeddedRedis:
                 self._cluster_port = _free_port()
             text = render(ServerConfig(port=port, directory=self._tmpdir, logfile=logfile, app_password=app,
                                        admin_password=admin, unix_socket=self.socket_path, maxmemory=self._maxmemory,
+                                       maxmemory_policy=self._maxmemory_policy,
+                                       proc_title=f"{self._title} {{listen-addr}}",
                                        replica_of=self.replica_of, cluster_port=self._cluster_port,
                                        cluster_config_file=self.cluster_config_file))
         config_path = os.path.join(self._tmpdir, "redis.conf")

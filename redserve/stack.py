@@ -23,6 +23,10 @@ Rules:
   (`redserve.redis_cluster`); every child gets a ``redis+cluster://`` URL. Each node has its own `RedisWatch`
   (children ``redis-0`` .. ``redis-{N-1}``): a dead node comes back on its ports with its nodes file, so with
   its slots (empty). The stack file lists the nodes.
+- ``--redis-cluster N --redis-replicas R`` (N >= 3) gives each primary R replicas (children ``redis-{i}-r1`` ..
+  ``redis-{i}-r{R}``); the cluster fails a dead primary over to a replica by itself. A dead primary is started
+  again only once the failover has happened (`ClusterRedis.prepare_restart`), and rejoins as a replica of the
+  node that holds its slots now; the stack file follows the roles (looked at every `ROLES_REFRESH` s).
 - Ctrl-C / SIGTERM stops the API and the batch worker first, then the engines (they drain), then the
   coordinator, then Redis, each child within a deadline (`STOP_TIMEOUTS`; engines: drain timeout + 10 s)
   after which it is named in the log and SIGKILLed with its process group. A second Ctrl-C / SIGTERM
@@ -70,8 +74,10 @@ _ENGINE_FLAGS = ["dtype", "device", "block_size", "max_num_seqs", "max_num_batch
                  "pipeline_parallel_size", "seed", "async_scheduling", "quantization"]
 _ENGINE_SWITCHES = ["no_prefix_caching", "no_chunked_prefill", "enforce_eager"]
 STOP_TIMEOUTS = {"api": 20.0, "batch": 20.0, "coordinator": 5.0}
+DEFAULT_DISAGG_TIER_MEMORY = "1gb"  # the KV tier `--prefill-engines` starts when none is given
 ENGINE_DRAIN_TIMEOUT = 30.0  # `redserve engine --drain-timeout` default
 _TICK = 0.1
+ROLES_REFRESH = 2.0  # s between two looks at an embedded cluster's roles (`Stack._refresh_cluster_roles`)
 
 
 def _flags(args: argparse.Namespace, names: list[str], switches: list[str]) -> list[str]:
@@ -159,11 +165,14 @@ class Stack:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.roles = engine_roles(args)  # first: it sets the DP size of --prefill-engines / --decode-engines
         self.engine_devices = _engine_device_envs(args)
         self.keys = RedisKeys(args.key_prefix)
         self.redis: EmbeddedRedis | None = None
         self.replicated: ReplicatedRedis | None = None
         self.cluster: ClusterRedis | None = None
+        self.kv_tier: EmbeddedRedis | None = None
+        self._kv_tier_watch: RedisWatch | None = None
         self.supervisor = Supervisor(restart_policy(args), on_restart=self._count_restart)
         self.stopping = False
         self.ready = False
@@ -171,6 +180,8 @@ class Stack:
         self._counter: redis.Redis | None = None
         self._redis_watch: RedisWatch | None = None
         self._node_watches: list[RedisWatch] = []
+        self._nodes_written: list[dict] = []
+        self._nodes_checked = 0.0
         if getattr(args, "redis_replicas", 0) < 0:
             raise ValueError(f"--redis-replicas must be >= 0, got {args.redis_replicas}")
         if getattr(args, "redis_replicas", 0) and args.redis_url:
@@ -178,15 +189,22 @@ class Stack:
                              "own Sentinel deployment instead (a redis+sentinel:// URL)")
         if getattr(args, "redis_cluster", 0) < 0:
             raise ValueError(f"--redis-cluster must be >= 0, got {args.redis_cluster}")
-        if getattr(args, "redis_cluster", 0) and (args.redis_url or getattr(args, "redis_replicas", 0)):
-            raise ValueError("--redis-cluster starts an embedded cluster: it goes with neither --redis-replicas nor "
-                             "--redis-url (point at your own cluster with a redis+cluster:// URL instead)")
+        if getattr(args, "redis_cluster", 0) and getattr(args, "redis_replicas", 0) and args.redis_cluster < 3:
+            raise ValueError("--redis-cluster N --redis-replicas R needs N >= 3: a majority of the primaries votes "
+                             "a replica in, so with fewer no failover could happen")
+        if getattr(args, "redis_cluster", 0) and args.redis_url:
+            raise ValueError("--redis-cluster starts an embedded cluster: it does not go with --redis-url (point at "
+                             "your own cluster with a redis+cluster:// URL instead)")
+        if getattr(args, "kv_tier_memory", None) and getattr(args, "kv_tier_url", None):
+            raise ValueError("--kv-tier-memory starts an embedded KV tier; --kv-tier-url points at your own: give one")
+        if getattr(args, "kv_tier_memory", None) and getattr(args, "no_prefix_caching", False):
+            raise ValueError("the KV tier stores and finds prefix blocks: it needs prefix caching on")
 
     def start(self) -> None:
         args = self.args
         resolve_model(args)
         if not args.redis_url and getattr(args, "redis_cluster", 0):
-            self._start_cluster(args.redis_cluster)
+            self._start_cluster(args.redis_cluster, getattr(args, "redis_replicas", 0))
         elif not args.redis_url and getattr(args, "redis_replicas", 0):
             self._start_replicated(args.redis_replicas)
         elif not args.redis_url:
@@ -194,6 +212,8 @@ class Stack:
             args.redis_url = self.redis.url
             self._redis_watch = RedisWatch(self.redis, self.supervisor, self._count_restart)
             logger.info("started embedded Redis at %s (inspect it with `redserve redis-cli`)", mask_url(args.redis_url))
+        if getattr(args, "kv_tier_memory", None):
+            self._start_kv_tier(args.kv_tier_memory)
         self._counter = connect(args.redis_url, retries=1, socket_timeout=2.0, client_name="redserve-serve")
         self._reset_restart_counts()
         log = ["--log-level", args.log_level]
@@ -201,7 +221,7 @@ class Stack:
         self._start("coordinator", _cli(*log, "coordinator", *prefix, *(["--dp-lockstep"] if args.dp_lockstep else [])))
         for rank in range(args.data_parallel_size):
             self._start(f"engine-{rank}", _cli(*log, "engine", "--model", args.model, "--dp-rank", str(rank), *prefix,
-                                              *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES)),
+                                              *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES), "--role", self.roles[rank]),
                         self._engine_env(rank), stop_timeout=ENGINE_DRAIN_TIMEOUT + 10)
         api = ["api", "--model", args.model, "--host", args.host, "--port", str(args.port),
                "--workers", str(args.api_workers or api_workers(os.cpu_count() or 1)), "--max-queued-requests", str(args.max_queued_requests)]
@@ -216,6 +236,13 @@ class Stack:
                                       *(["--served-model-name", *names] if names else [])))
         self._write_state()
 
+    def _start_kv_tier(self, memory: str) -> None:
+        """The engines' KV tier: a Valkey of its own, a cache (allkeys-lru), restarted empty if it dies."""
+        self.kv_tier = EmbeddedRedis(maxmemory=memory, maxmemory_policy="allkeys-lru", title="redserve-kv-tier").start()
+        self.args.kv_tier_url = self.kv_tier.url
+        self._kv_tier_watch = RedisWatch(self.kv_tier, self.supervisor, self._count_restart, "kv-tier")
+        logger.info("started the KV tier (%s, allkeys-lru) at %s", memory, mask_url(self.kv_tier.url))
+
     def _start_replicated(self, replicas: int) -> None:
         self.replicated = rr = ReplicatedRedis(replicas).start()
         self.args.redis_url = rr.url
@@ -225,13 +252,14 @@ class Stack:
         logger.info("started embedded Redis with %d replica(s) and %d sentinels at %s (inspect it with "
                     "`redserve redis-cli`)", replicas, len(rr.sentinels), mask_url(rr.url))
 
-    def _start_cluster(self, primaries: int) -> None:
-        self.cluster = rc = ClusterRedis(primaries).start()
+    def _start_cluster(self, primaries: int, replicas: int) -> None:
+        self.cluster = rc = ClusterRedis(primaries, replicas).start()
         self.args.redis_url = rc.url
-        self._node_watches = [RedisWatch(node, self.supervisor, self._count_restart, name)
+        self._node_watches = [RedisWatch(node, self.supervisor, self._count_restart, name,
+                                         ready_to_restart=lambda name=name: rc.prepare_restart(name))
                               for name, node in rc.nodes.items()]
-        logger.info("started an embedded Redis Cluster of %d primaries at %s (inspect it with `redserve redis-cli`)",
-                    primaries, mask_url(rc.url))
+        logger.info("started an embedded Redis Cluster of %d primaries with %d replica(s) each at %s (inspect it "
+                    "with `redserve redis-cli`)", primaries, replicas, mask_url(rc.url))
 
     def _write_state(self) -> None:
         args = self.args
@@ -239,6 +267,7 @@ class Stack:
         embedded = self.replicated or self.cluster or self.redis
         admin_url = embedded.admin_url if embedded is not None else None
         nodes = embedded.describe() if embedded is not None and embedded is not self.redis else []
+        self._nodes_written, self._nodes_checked = nodes, time.monotonic()
         write_stack_state(StackState(args.redis_url, args.key_prefix, args.model, names, admin_redis_url=admin_url,
                                      redis_nodes=nodes))
 
@@ -250,7 +279,8 @@ class Stack:
 
     def _engine_env(self, rank: int) -> dict[str, str]:
         threads = str(engine_threads(os.cpu_count() or 1, self.args.data_parallel_size))
-        return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **self.engine_devices[rank]}
+        tier = {"REDSERVE_KV_TIER_URL": self.args.kv_tier_url} if getattr(self.args, "kv_tier_url", None) else {}
+        return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **tier, **self.engine_devices[rank]}
 
     def _reset_restart_counts(self) -> None:
         try:
@@ -275,6 +305,7 @@ class Stack:
                     watch.check()
                     if len(watch.record.restarts) != restarts and self.redis is None:
                         self._write_state()  # new pids
+                self._refresh_cluster_roles()
                 self.supervisor.check()
             except CrashLoop as e:
                 logger.error("%s", e)
@@ -287,8 +318,19 @@ class Stack:
             time.sleep(_TICK if self.ready else 0.5)
         return 0
 
+    def _refresh_cluster_roles(self) -> None:
+        """A cluster with replicas fails over by itself: every `ROLES_REFRESH` s, write the stack file again when
+        a node's role (or pid) changed."""
+        if self.cluster is None or not self.cluster.replicas or \
+                time.monotonic() - self._nodes_checked < ROLES_REFRESH:
+            return
+        self._nodes_checked = time.monotonic()
+        if self.cluster.describe() != self._nodes_written:
+            self._write_state()
+
     def _watches(self) -> list[RedisWatch]:
-        return [self._redis_watch] if self._redis_watch is not None else self._node_watches
+        watches = [self._redis_watch] if self._redis_watch is not None else list(self._node_watches)
+        return watches + ([self._kv_tier_watch] if self._kv_tier_watch is not None else [])
 
     def _healthy(self) -> bool:
         try:
@@ -317,7 +359,27 @@ class Stack:
             self.replicated.stop()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.kv_tier is not None:
+            self.kv_tier.stop()
         logger.info("stack stopped")
+
+
+def engine_roles(args: argparse.Namespace) -> list[str]:
+    """Each engine's role. ``--prefill-engines P --decode-engines D`` makes P + D engines (the DP size), the first
+    P prefill, the rest decode, and a KV tier for them (1gb unless one is given); else every engine is ``both``."""
+    prefill, decode = getattr(args, "prefill_engines", 0), getattr(args, "decode_engines", 0)
+    if not prefill and not decode:
+        return ["both"] * args.data_parallel_size
+    if prefill < 1 or decode < 1:
+        raise ValueError("--prefill-engines and --decode-engines go together, each >= 1")
+    if args.data_parallel_size not in (1, prefill + decode):
+        raise ValueError("--prefill-engines P --decode-engines D start P + D engines: leave out --data-parallel-size")
+    if getattr(args, "no_prefix_caching", False):
+        raise ValueError("prefill/decode disaggregation hands requests over through the KV tier: it needs prefix caching")
+    args.data_parallel_size = prefill + decode
+    if not getattr(args, "kv_tier_url", None) and not getattr(args, "kv_tier_memory", None):
+        args.kv_tier_memory = DEFAULT_DISAGG_TIER_MEMORY
+    return ["prefill"] * prefill + ["decode"] * decode
 
 
 def _engine_device_envs(args: argparse.Namespace) -> list[dict[str, str]]:

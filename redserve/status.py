@@ -3,10 +3,10 @@
 Reads only (never writes): the coordinator (lock holder, lock TTL, `{rs}:coordinator`), the wave,
 every registered engine (state, host/pid, load, KV usage, heartbeat age and TTL left, wave, request
 stream length and pending count, its `{rs}:lb` entry, its prefix-cache hit rate, the size of its prefix
-index and how often the API routed to it for its cache or for its load), engines recently declared dead (their hashes are
+index and how often the API routed to it for its cache or for its load; with a KV tier, its tier counters), engines recently declared dead (their hashes are
 kept a while), and the clients (API processes, Celery workers) with their heartbeats. Behind sentinels
 (a ``redis+sentinel://`` URL) it also names the primary and the healthy replicas the sentinels see; on a
-cluster (``redis+cluster://``), its primaries.
+cluster (``redis+cluster://``), its primaries and each one's replicas (as CLUSTER SLOTS lists them).
 `--json` prints the same as one JSON object. Imports no torch.
 
 Garbage in Redis (a malformed id in a set, a key of the wrong type, a field that is not a number) is
@@ -25,9 +25,10 @@ import redis
 
 from broker.control_state import decode_fields, is_wrong_type, parse_int, read_members, utf8, warn_bad
 from broker.keys import RedisKeys, check_id
-from broker.load_balance import read_lb_snapshot
+from broker.load_balance import engine_role, read_lb_snapshot
 from broker.prefix_index import read_routing_counts
 from broker.registry import EngineRegistry
+from protocol.engine_load import EngineLoad
 
 
 def collect_status(r: redis.Redis, keys: RedisKeys) -> dict[str, Any]:
@@ -103,6 +104,10 @@ def _add_engine_details(r: redis.Redis, keys: RedisKeys, engines: list[dict], lb
         load = lb.get(e["engine_id"])
         e["lb"] = None if load is None else {"waiting": load.waiting, "running": load.running,
                                              "kv_usage": load.kv_usage, "age_s": round(now - load.ts, 2)}
+
+
+def _mb(value: Any) -> str:
+    return f"{value / 2**20:.1f}" if isinstance(value, (int, float)) else "-"
 
 
 def _worker_hosts(reply: Any, key: str) -> dict[str, Any] | None:
@@ -184,13 +189,15 @@ def format_status(s: dict[str, Any]) -> str:
             f"{e['heartbeat_age_s']}s/{e.get('heartbeat_ttl')}s" if e["heartbeat_age_s"] is not None
             else f"{e['heartbeat_ttl_left_s']}s left")
         wave = f"{e.get('wave', '-')}{'*' if e.get('wave_running') == 1 else ''}"
-        rows.append([e["engine_id"], e.get("state"), "yes" if e["alive"] else "NO", f"{e.get('host')}/{e.get('pid')}",
-                     e.get("waiting", 0), e.get("running", 0), e.get("kv_usage", 0.0), e.get("num_steps", 0),
+        load = EngineLoad.from_stats(e)
+        rows.append([e["engine_id"], engine_role(e), e.get("state"), "yes" if e["alive"] else "NO",
+                     f"{e.get('host')}/{e.get('pid')}",
+                     load.waiting, load.running, load.kv_usage, load.step,
                      e.get("generated_tokens", 0), hb, wave, e["stream_len"], e["pending"],
                      "-" if e["lb"] is None else f"{e['lb']['waiting']}/{e['lb']['running']} ({e['lb']['age_s']}s)",
                      e.get("prefix_cache_hit_rate"), e.get("prefix_index_blocks"),
                      f"{e['routed']['cache']}/{e['routed']['load']}"])
-    lines += _table(["id", "state", "alive", "host/pid", "waiting", "running", "kv", "steps", "gen_tokens",
+    lines += _table(["id", "role", "state", "alive", "host/pid", "waiting", "running", "kv", "steps", "gen_tokens",
                      "heartbeat age/ttl", "wave", "stream", "pending", "lb w/r (age)", "prefix hit", "index",
                      "routed c/l"], rows)
     lines.append("  (wave*: the engine is in a running wave; stream = XLEN, pending = XPENDING: requests in flight;")
@@ -203,6 +210,17 @@ def format_status(s: dict[str, Any]) -> str:
                         [[e["engine_id"], e["worker_hosts"]["stages"], e["worker_hosts"]["listen"],
                           ", ".join(f"{h['host']} ({h['stages']}, {h['state']})" for h in e["worker_hosts"]["hosts"])
                           or "none yet"] for e in remote])
+    tiered = [e for e in s["engines"] if "kv_tier_lookups" in e]
+    if tiered:
+        lines += ["", "KV tier (README 'KV tier'):"]
+        lines += _table(["engine", "lookups", "hit blocks", "miss blocks", "corrupt", "stored", "MB in", "MB out",
+                         "load s", "errors", "dropped", "store used/max MB"],
+                        [[e["engine_id"], e.get("kv_tier_lookups"), e.get("kv_tier_hit_blocks"),
+                          e.get("kv_tier_miss_blocks"), e.get("kv_tier_corrupt_blocks"), e.get("kv_tier_stored_blocks"),
+                          _mb(e.get("kv_tier_bytes_in")), _mb(e.get("kv_tier_bytes_out")), e.get("kv_tier_load_seconds"),
+                          e.get("kv_tier_errors"), e.get("kv_tier_dropped_blocks"),
+                          f"{_mb(e.get('kv_tier_store_used_bytes'))}/{_mb(e.get('kv_tier_store_max_bytes'))}"]
+                         for e in tiered])
     if s["dead_engines"]:
         lines += ["", f"other engine records: dead, or not valid registrations ({len(s['dead_engines'])}):"]
         lines += _table(["id", "state", "host/pid", "dead_at"],
@@ -215,11 +233,15 @@ def format_status(s: dict[str, Any]) -> str:
 
 
 def _topology(redis_url: str) -> dict | list[str] | None:
-    from broker.connection import cluster_topology, connect, replication_topology
+    from broker.connection import cluster_replicas, cluster_topology, connect, replication_topology
 
     client = connect(redis_url, retries=1)
     try:
-        return cluster_topology(client) or replication_topology(client)
+        primaries = cluster_topology(client)
+        if primaries is not None:
+            replicas = cluster_replicas(client) or {}
+            return [{"primary": p, "replicas": replicas.get(p, [])} for p in primaries]
+        return replication_topology(client)
     except redis.RedisError as e:
         return {"error": str(e), "master_name": "?", "primary": "?", "replicas": []}
     finally:
@@ -241,8 +263,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     header = f"redis {url}   "
     topology = _topology(args.redis_url)
     if isinstance(topology, list):
-        status["redis_cluster"] = topology
-        header += f"(cluster of {len(topology)} primaries: {', '.join(topology)})   "
+        status["redis_cluster"] = [shard["primary"] for shard in topology]
+        status["redis_cluster_replicas"] = {shard["primary"]: shard["replicas"] for shard in topology}
+        shards = [shard["primary"] + (f" (replicas {', '.join(shard['replicas'])})" if shard["replicas"] else "")
+                  for shard in topology]
+        header += f"(cluster of {len(topology)} primaries: {', '.join(shards)})   "
     elif topology is not None:
         status["redis_replication"] = topology
         header += (f"(sentinel master {topology['master_name']}: primary {topology['primary']}, replicas "

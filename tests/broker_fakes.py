@@ -30,13 +30,15 @@ from protocol.messages import (
 from protocol.sampling_params import SamplingParams
 
 PROMPT_LEN = 3  # `add()` prompts: [first_token, 7, 7]
+STALL_AFTER: dict[str, int] = {}  # request id -> tokens per sequence before it stalls (see `add`)
 
 
 class FakeEngine:
     """Stands in for an engine process: every step gives each running sequence one token.
 
     Token k (1-based) of a request is prompt_token_ids[0] * 1000 + k. Params: max_tokens (default
-    4), n, and stall_after (stop producing after that many tokens, to keep a request in flight).
+    4), n; `STALL_AFTER` (set by `add(stall_after=...)`) stops a request after that many tokens, to keep it
+    in flight.
     Utility methods: echo(*args) -> args, fail() -> error, stats() -> {"running": ...}.
     """
 
@@ -92,7 +94,7 @@ class FakeEngine:
             if msg.request_id in self.running:
                 return
             self.adds.append(msg.request_id)
-            n = msg.params.get("n", 1)
+            n = msg.params.n
             self.running[msg.request_id] = {"msg_id": msg_id, "add": msg, "made": [0] * n, "done": set()}
         elif isinstance(msg, AbortRequests):
             for rid in msg.request_ids:
@@ -114,8 +116,8 @@ class FakeEngine:
         acks = []
         for rid, st in list(self.running.items()) if self.go.is_set() else []:
             add = st["add"]
-            max_tokens = add.params.get("max_tokens", 4)
-            stall = add.params.get("stall_after")
+            max_tokens = add.params.max_tokens
+            stall = STALL_AFTER.get(rid)
             for i, made in enumerate(st["made"]):
                 if i in st["done"] or (stall is not None and made >= stall):
                     continue
@@ -163,10 +165,15 @@ def cluster(redis_url, redis_keys):
         eng.stop()
 
 
-def add(first_token=1, deadline_in=None, **params):
-    """An AddRequest with a fresh id, prompt [first_token, 7, 7] and these engine params."""
+def add(first_token=1, deadline_in=None, stall_after=None, max_tokens=4, **params):
+    """An AddRequest with a fresh id, prompt [first_token, 7, 7] and these sampling params (max_tokens 4 unless
+    given); with `stall_after`, a `FakeEngine` stops the request after that many tokens per sequence."""
     deadline = None if deadline_in is None else time.time() + deadline_in
-    return AddRequest(uuid.uuid4().hex, "", [first_token, 7, 7], params, time.time(), deadline)
+    request = AddRequest(uuid.uuid4().hex, "", [first_token, 7, 7], SamplingParams(max_tokens=max_tokens, **params),
+                         time.time(), deadline)
+    if stall_after is not None:
+        STALL_AFTER[request.request_id] = stall_after
+    return request
 
 
 def collect(handle, timeout=5.0):
@@ -230,7 +237,7 @@ class ContinuingEngine(FakeEngine):
         acks = []
         for rid, st in list(self.running.items()) if self.go.is_set() else []:
             add_, prompt = st["add"], st["add"].prompt_token_ids
-            params = SamplingParams.from_dict(add_.params)
+            params = add_.params
             for i, made in enumerate(st["made"]):
                 if i in st["done"]:
                     continue

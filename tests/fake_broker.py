@@ -28,7 +28,7 @@ class FakeHandle:
 
     def __init__(self, add: AddRequest, outputs: list[RequestOutput | None]) -> None:
         self.request_id = add.request_id
-        self.n = add.params.get("n", 1)
+        self.n = add.params.n
         self._outputs = deque(outputs)
         self._finished_indices: set[int] = set()
         self.aborted = False
@@ -96,7 +96,7 @@ def token_script(tokens: list[int], finish: str = "length", logprobs: bool = Fal
     says `cached` prompt tokens came from the prefix cache."""
 
     def script(add: AddRequest) -> list[RequestOutput | None]:
-        n, limit = add.params["n"], add.params["max_tokens"]
+        n, limit = add.params.n, add.params.max_tokens
         mine = tokens[:limit]
         outs: list[RequestOutput | None] = []
         for k, token in enumerate(mine):

@@ -53,4 +53,4 @@ def wait_engine_ready(client: BrokerClient, proc: subprocess.Popen, timeout: flo
 
 
 def submit(client: BrokerClient, request_id: str, prompt: list[int], params: SamplingParams):
-    return client.submit(AddRequest(request_id, "", prompt, params.to_dict(), time.time(), time.time() + 120))
+    return client.submit(AddRequest(request_id, "", prompt, params, time.time(), time.time() + 120))

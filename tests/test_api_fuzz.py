@@ -94,8 +94,8 @@ def bodies(draw: st.DrawFn, fields: dict[str, tuple[st.SearchStrategy, st.Search
 
 def echo_script(add: AddRequest) -> list[RequestOutput | None]:
     """Each sequence: up to 3 tokens (fewer if max_tokens is smaller), logprobs when asked."""
-    n, limit = add.params["n"], add.params["max_tokens"]
-    top = add.params.get("logprobs")
+    n, limit = add.params.n, add.params.max_tokens
+    top = add.params.logprobs
     outs: list[RequestOutput | None] = []
     tokens = [10, 11, 12][:limit]
     for k, token in enumerate(tokens):

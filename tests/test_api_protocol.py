@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from api.errors import ApiError, engine_error
-from api.protocol import fit_to_context, parse_chat_request, parse_completion_request
+from api.protocol import fit_params, fit_to_context, parse_chat_request, parse_completion_request
 from protocol.messages import ErrorCode
 from protocol.sampling_params import SamplingParams
 
@@ -141,6 +141,17 @@ def test_fit_to_context() -> None:
     with pytest.raises(ApiError):
         fit_to_context(SamplingParams(max_tokens=None), 100, 100)
     assert fit_to_context(p, 90, 100).max_tokens == 10
+
+
+def test_fit_params_checks_the_vocabulary_then_each_prompt() -> None:
+    p = SamplingParams(max_tokens=None, stop_token_ids=[7])
+    assert [q.max_tokens for q in fit_params(p, [30, 60], 100, vocab_size=8)] == [70, 40]
+    with pytest.raises(ApiError) as info:
+        fit_params(p, [100], 100, vocab_size=7)
+    assert (info.value.status, info.value.param) == (400, "stop_token_ids")
+    with pytest.raises(ApiError) as info:
+        fit_params(SamplingParams(max_tokens=50), [10, 60], 100, vocab_size=8)
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
 
 
 ENGINE_STATUSES = {ErrorCode.INVALID_REQUEST: 400, ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.ENGINE_ERROR: 500,

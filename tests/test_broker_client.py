@@ -15,7 +15,8 @@ from stack_procs import poll
 from broker.connection import connect
 from broker.engine_link import EngineHeartbeat
 from broker.errors import NoEngineAvailable, UtilityError
-from broker.load_balance import EngineLoad, write_lb_snapshot
+from broker.load_balance import write_lb_snapshot
+from protocol.engine_load import EngineLoad
 from protocol.messages import FinishReason
 
 # --------------------------------------------------------------------------- happy paths

@@ -45,7 +45,7 @@ def test_a_started_request_continues_on_another_engine_when_its_heartbeat_expire
     assert (handle.engine_id, moves) == ("e1", [("heartbeat_expired", "e0", "e1")])
     cont = e1.received[f"{handle.request_id}~m1"]
     assert cont.prompt_token_ids == [2, 7, 7, 2001, 2002]
-    assert (cont.params["max_tokens"], cont.params["min_tokens"], cont.params["n"]) == (4, 2, 1)
+    assert (cont.params.max_tokens, cont.params.min_tokens, cont.params.n) == (4, 2, 1)
     assert client.in_flight() == 0
 
 

@@ -12,6 +12,7 @@ from stack_procs import poll
 from broker.client import BrokerClient
 from broker.errors import BrokerUnavailable
 from protocol.messages import ErrorCode
+from protocol.sampling_params import SamplingParams
 from redserve.redis_server import EmbeddedRedis
 
 
@@ -87,7 +88,7 @@ def test_no_presence_verdict_while_engines_resubscribe_after_an_outage():
 
     table = InFlightTable("c", placed=lambda e: None, released=lambda e: None)
     table.set_subscribed(True)
-    assert table.register(Mailbox(add=AddRequest("r", "c", [1], {"max_tokens": 4}, 0.0), engine_id="e0",
+    assert table.register(Mailbox(add=AddRequest("r", "c", [1], SamplingParams(max_tokens=4), 0.0), engine_id="e0",
                                   incarnation="i0", n=1))
     redis_client = NoSubscribers()
     maintenance = Maintenance(table, Engines(), Sender("c", RedisKeys(), table, lambda: redis_client),

@@ -20,6 +20,7 @@ from protocol.messages import (
     decode,
     encode,
 )
+from protocol.sampling_params import SamplingParams
 
 
 def _eventually(predicate, timeout=5.0, interval=0.01):
@@ -160,7 +161,7 @@ def test_reader_consumer_group_and_pending(redis_client, redis_keys):
     reader = RequestReader(redis_client, redis_keys, "e0")
     reader.reset()
     assert reader.read(block_ms=10) == []
-    add_id = _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c", [1], {}, 1.0))
+    add_id = _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c", [1], SamplingParams(), 1.0))
     _xadd(redis_client, redis_keys, "e0", AbortRequests(["r0"], "c"))
     _xadd(redis_client, redis_keys, "e0", UtilityCall("u", "c", "get_stats", []))
     _xadd(redis_client, redis_keys, "e0", StartWave(3))
@@ -184,7 +185,7 @@ def test_reader_consumer_group_and_pending(redis_client, redis_keys):
 def test_reader_count_and_block(redis_client, redis_keys):
     reader = RequestReader(redis_client, redis_keys, "e0")
     for i in range(5):
-        _xadd(redis_client, redis_keys, "e0", AddRequest(f"r{i}", "c", [i], {}, 1.0))
+        _xadd(redis_client, redis_keys, "e0", AddRequest(f"r{i}", "c", [i], SamplingParams(), 1.0))
     assert len(reader.read(block_ms=10, count=3)) == 3  # lazily creates the group, reads from the start
     assert len(reader.read(block_ms=0, count=3)) == 2
     start = time.monotonic()
@@ -193,7 +194,7 @@ def test_reader_count_and_block(redis_client, redis_keys):
 
 
 def test_reset_drops_old_requests(redis_client, redis_keys):
-    _xadd(redis_client, redis_keys, "e0", AddRequest("old", "c", [1], {}, 1.0))
+    _xadd(redis_client, redis_keys, "e0", AddRequest("old", "c", [1], SamplingParams(), 1.0))
     reader = RequestReader(redis_client, redis_keys, "e0")
     reader.reset()
     assert reader.read(block_ms=10) == []
@@ -203,7 +204,7 @@ def test_reader_recreates_group_after_flush(redis_client, redis_admin, redis_key
     reader = RequestReader(redis_client, redis_keys, "e0")
     reader.reset()
     redis_admin.flushdb()  # what a Redis restart looks like to the reader
-    _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c", [1], {}, 1.0))
+    _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c", [1], SamplingParams(), 1.0))
     msgs = []
     for _ in range(3):
         msgs += reader.read(block_ms=50)
@@ -226,7 +227,7 @@ def test_publisher_one_pipeline_per_step(redis_client, redis_keys, registry):
     registry.register("e0", {})
     reader = RequestReader(redis_client, redis_keys, "e0")
     reader.reset()
-    add_id = _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c1", [1], {}, 1.0))
+    add_id = _xadd(redis_client, redis_keys, "e0", AddRequest("r1", "c1", [1], SamplingParams(), 1.0))
     reader.read(block_ms=10)
     assert reader.pending()["count"] == 1
 

@@ -1,7 +1,8 @@
 import pytest
 
 from broker.errors import NoEngineAvailable
-from broker.load_balance import EngineLoad, EngineSelector, read_lb_snapshot, write_lb_snapshot
+from broker.load_balance import EngineSelector, read_lb_snapshot, write_lb_snapshot
+from protocol.engine_load import EngineLoad
 
 
 class FakeCluster:

@@ -10,10 +10,11 @@ import sys
 
 import pytest
 
-from broker.load_balance import EngineLoad, EngineSelector, RoutingConfig, route_costs
+from broker.load_balance import EngineSelector, RoutingConfig, route_costs
 from broker.prefix_index import leading_blocks, probe_positions
 from engine.block_manager import BlockManager
 from engine.request import Request
+from protocol.engine_load import EngineLoad
 from protocol.prefix_hash import block_hashes, chain_hash
 from protocol.sampling_params import SamplingParams
 

@@ -62,7 +62,7 @@ class Stack:
         return handle.engine_id, tokens
 
     def submit(self, prompt: list[int], max_tokens: int):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True).to_dict()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         add = AddRequest(next(self._ids), "", prompt, params, time.time(), time.time() + 120)
         return self.client.submit(add)
 

@@ -22,10 +22,11 @@ from broker import log_limits
 from broker.client import BrokerClient
 from broker.control_state import INT_FIELDS, NUMBER_FIELDS, decode_fields, member_ids
 from broker.keys import RedisKeys, check_id
-from broker.load_balance import EngineLoad, read_lb_snapshot
+from broker.load_balance import read_lb_snapshot
 from broker.registry import EngineRegistry
 from coordinator.process import Coordinator, CoordinatorConfig
 from engine.dp_wave import DpWaves
+from protocol.engine_load import EngineLoad
 from protocol.messages import StartWave
 from redserve.status import collect_status, format_status
 

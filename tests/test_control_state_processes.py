@@ -31,6 +31,7 @@ from broker.engine_link import STREAM_FIELD, RequestReader
 from broker.keys import RedisKeys
 from broker.load_balance import read_lb_snapshot
 from protocol.messages import AddRequest, EngineOutputs, MessageError, RequestOutput, decode, encode
+from protocol.sampling_params import SamplingParams
 from redserve.redis_server import EmbeddedRedis
 
 # ----------------------------------------------------------------------------------------- coordinator
@@ -107,8 +108,9 @@ def test_status_command_shows_the_good_engines_with_garbage_everywhere(redis_url
     assert "ignoring" in out.stderr  # the garbage is named on stderr, stdout stays JSON
     text = subprocess.run(quiet_cli(*base), capture_output=True, text=True, timeout=60)
     assert text.returncode == 0, text.stderr
-    rows = [line.split()[:3] for line in text.stdout.splitlines() if line.startswith("  ")]
-    assert ["0", "ready", "yes"] in rows and ["1", "ready", "yes"] in rows and "Traceback" not in text.stderr
+    rows = [line.split()[:4] for line in text.stdout.splitlines() if line.startswith("  ")]
+    assert ["0", "both", "ready", "yes"] in rows and ["1", "both", "ready", "yes"] in rows
+    assert "Traceback" not in text.stderr
 
 
 # ----------------------------------------------------------------------------------------- messages
@@ -119,7 +121,7 @@ def test_garbage_on_the_request_stream_is_acked_and_dropped(redis_client, redis_
     reader = RequestReader(r, keys, "0")
     reader.reset()
     stream = keys.request_stream("0")
-    add = AddRequest("r1", "c1", [1, 2], {"max_tokens": 2}, time.time())
+    add = AddRequest("r1", "c1", [1, 2], SamplingParams(max_tokens=2), time.time())
     for fields in ({"x": "y"}, {STREAM_FIELD: b"garbage"}, {STREAM_FIELD: b"\xff\xfe"},
                    {STREAM_FIELD: msgpack.packb({"t": "add", "v": 1, "request_id": 5})},
                    {STREAM_FIELD: msgpack.packb([1, 2, 3])}, {STREAM_FIELD: encode(add)}):
@@ -135,7 +137,7 @@ def test_garbage_on_the_output_channel_is_dropped_and_the_request_goes_on(redis_
     client = BrokerClient(redis_url, keys)
     try:
         assert client.wait_subscribed(10)
-        handle = client.submit(AddRequest("r1", "", [1, 2], {"max_tokens": 1}, time.time()))
+        handle = client.submit(AddRequest("r1", "", [1, 2], SamplingParams(max_tokens=1), time.time()))
         channel = keys.output_channel(client.client_id)
         v = EngineOutputs.VERSION  # the current version: the content, not the version, is what is wrong
         bad_content = [msgpack.packb({"t": "outputs", "v": v, "engine_id": 3}),

@@ -14,20 +14,22 @@ from stack_procs import poll, quiet_cli
 
 from broker.engine_link import RequestReader
 from broker.keys import EngineState
-from broker.load_balance import EngineLoad, read_lb_snapshot
+from broker.load_balance import read_lb_snapshot
 from broker.registry import EngineRegistry
 from coordinator.leader_lock import LeaderLock
 from coordinator.process import Coordinator, CoordinatorConfig
 from coordinator.rules import DeathWatch, EngineReport, WaveTracker, build_snapshot, same_loads
 from engine.dp_wave import DpWaves
+from protocol.engine_load import EngineLoad
 from protocol.messages import AddRequest, StartWave, decode
+from protocol.sampling_params import SamplingParams
 
 
 def report(engine_id: str = "0", state: str = "ready", alive: bool = True, waiting: int = 0, running: int = 0,
-           wave: int = 0, wave_running: bool = False, incarnation: str = "i0", stats_at: float | None = 100.0,
+           wave: int = 0, wave_running: bool = False, incarnation: str = "i0", stats_at: float = 100.0,
            ) -> EngineReport:
-    return EngineReport(engine_id, state, incarnation, alive, waiting, running, 0.123456, 7, stats_at, wave,
-                        wave_running)
+    load = EngineLoad(waiting, running, 0.123456, 7, stats_at)
+    return EngineReport(engine_id, state, incarnation, alive, load, wave, wave_running)
 
 
 # ----------------------------------------------------------------------------------------- pure rules
@@ -35,8 +37,10 @@ def report(engine_id: str = "0", state: str = "ready", alive: bool = True, waiti
 
 def test_snapshot_holds_live_ready_and_draining_engines_only():
     reports = [report("a"), report("b", state="draining", waiting=2, running=1), report("c", state="starting"),
-               report("d", alive=False), report("e", state="dead"), report("f", stats_at=None)]
-    snap = build_snapshot(reports, now=555.0)
+               report("d", alive=False), report("e", state="dead"),
+               EngineReport.from_registry({"engine_id": "f", "state": "ready", "incarnation": "i",
+                                           "alive": True}, now=555.0)]  # no stats yet
+    snap = build_snapshot(reports)
     assert sorted(snap) == ["a", "b", "f"]
     assert snap["b"] == EngineLoad(2, 1, 0.1235, 7, 100.0)
     assert snap["f"].ts == 555.0
@@ -53,10 +57,14 @@ def test_same_loads_ignores_timestamps_only():
 def test_report_from_registry_parses_the_hash():
     r = EngineReport.from_registry({"engine_id": "3", "state": "ready", "incarnation": "x", "alive": True,
                                     "waiting": 2, "running": 1, "kv_usage": 0.5, "num_steps": 9,
-                                    "stats_at": 12.5, "wave": 4, "wave_running": 1, "host": "h", "pid": 42})
-    assert (r.busy, r.live, r.step, r.wave, r.wave_running, r.pid) == (True, True, 9, 4, True, 42)
-    bare = EngineReport.from_registry({"engine_id": "4", "state": "starting", "alive": False, "waiting": "junk"})
-    assert (bare.busy, bare.live, bare.stats_at, bare.wave) == (False, False, None, 0)
+                                    "stats_at": 12.5, "wave": 4, "wave_running": 1, "host": "h", "pid": 42},
+                                   now=555.0)
+    assert (r.busy, r.live, r.wave, r.wave_running, r.pid) == (True, True, 4, True, 42)
+    assert r.load == EngineLoad(waiting=2, running=1, kv_usage=0.5, step=9, ts=12.5)
+    bare = EngineReport.from_registry({"engine_id": "4", "state": "starting", "alive": False,
+                                       "waiting": "junk"}, now=555.0)
+    assert (bare.busy, bare.live, bare.wave) == (False, False, 0)
+    assert bare.load == EngineLoad(ts=555.0)  # no stats_at: the time of the read
 
 
 def test_wave_advances_once_per_idle_busy_idle_cycle():
@@ -273,7 +281,7 @@ def test_coordinator_writes_the_snapshot_and_advances_the_wave(redis_client, red
 def test_coordinator_declares_a_silent_engine_dead_without_resending_its_requests(redis_client, redis_keys):
     FakeEngine(redis_client, redis_keys, "0")
     FakeEngine(redis_client, redis_keys, "1")
-    add = AddRequest("r1", "client", [1, 2, 3], {"max_tokens": 4}, time.time())
+    add = AddRequest("r1", "client", [1, 2, 3], SamplingParams(max_tokens=4), time.time())
     from protocol.messages import encode
     redis_client.xadd(redis_keys.request_stream("1"), {b"m": encode(add)})
     c = _coordinator(redis_client, redis_keys)

@@ -15,6 +15,7 @@ from triton_interpret import load
 
 kernels, DEVICE, INTERPRETED = load("triton_attention")
 
+from protocol.sampling_params import SamplingParams  # noqa: E402
 from protocol.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker import cuda_graphs  # noqa: E402
 from worker.config import EngineConfig  # noqa: E402
@@ -183,7 +184,7 @@ class Driver:
             sched.num_scheduled_tokens[req_id] = 1
         for req_id, prompt in prompts.items():
             blocks = self._grow(req_id, len(prompt))
-            sched.new_requests.append(NewRequestData(req_id, list(prompt), [], {"temperature": 0.0}, blocks, 0))
+            sched.new_requests.append(NewRequestData(req_id, list(prompt), [], SamplingParams(temperature=0.0), blocks, 0))
             sched.num_scheduled_tokens[req_id] = len(prompt)
         return sched
 

@@ -53,7 +53,7 @@ class Stack:
         poll(ready, 180, f"engines {engine_ids} to be ready")
 
     def submit(self, max_tokens: int = 8, engine_id: str | None = None, prompt: list[int] | None = None):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True).to_dict()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         add = AddRequest(next(self._ids), "", prompt or [5, 17, 99, 4, 250], params, time.time(), time.time() + 120)
         return self.client.submit(add, engine_id=engine_id)
 
@@ -222,7 +222,7 @@ def test_engine_declared_dead_rejoins_as_a_new_incarnation(tiny_llama_dir, redis
         assert info["alive"]
         poll(lambda: any(e["incarnation"] == info["incarnation"] for e in client.ready_engines()), 10,
              "the client to see the new incarnation")
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True).to_dict()
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         with client.submit(AddRequest("after", "", [5, 6, 7], params, time.time(), time.time() + 60)) as handle:
             tokens = [t for out in handle for t in out.new_token_ids]
         assert len(tokens) == 5

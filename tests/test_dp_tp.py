@@ -96,7 +96,7 @@ def _worker_titles(engine_pid: int) -> list[str]:
 
 
 def _generate(client: BrokerClient, engine_id: str, prompt: list[int]) -> list[int]:
-    add = AddRequest(f"q{engine_id}", "", prompt, GREEDY.to_dict(), time.time(), time.time() + 120)
+    add = AddRequest(f"q{engine_id}", "", prompt, GREEDY, time.time(), time.time() + 120)
     tokens = []
     with client.submit(add, engine_id=engine_id) as handle:
         for out in handle:

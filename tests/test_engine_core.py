@@ -222,7 +222,7 @@ def test_abort_n2_request(llama_dir: str) -> None:
     core.step()
     outs = core.abort_request(["r"])
     assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort")]
-    assert not core.has_unfinished_requests() and core.stats().num_waiting == 0
+    assert not core.has_unfinished_requests() and core.stats().load.waiting == 0
     assert_all_blocks_free(llm)
 
 

@@ -30,10 +30,11 @@ from protocol.messages import (
     UtilityCall,
     encode,
 )
+from protocol.sampling_params import SamplingParams
 from worker.config import EngineConfig
 
 CLIENT = "c1"
-PARAMS = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}
+PARAMS = {"temperature": 0.0, "max_tokens": 50, "ignore_eos": True}  # keyword arguments of SamplingParams
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def _outputs(batch):
 
 
 def _add(srv, rid, **params) -> str:
-    message_id = _send(srv, AddRequest(rid, CLIENT, [5, 6, 7], {**PARAMS, **params}, time.time()))
+    message_id = _send(srv, AddRequest(rid, CLIENT, [5, 6, 7], SamplingParams(**{**PARAMS, **params}), time.time()))
     _handle_until(srv, lambda b: rid in srv.in_flight)
     return message_id
 
@@ -96,7 +97,9 @@ def test_received_add_and_abort(server):
 
 
 def test_received_add_that_the_engine_rejects(server):
-    message_id = _send(server, AddRequest("bad", CLIENT, [5], {"temperature": -1.0}, time.time()))
+    params = SamplingParams()
+    params.temperature = -1.0  # out of range, as a peer that skips the checks sends it: decoding checks types only
+    message_id = _send(server, AddRequest("bad", CLIENT, [5], params, time.time()))
     batch = _handle_until(server, lambda b: bool(_outputs(b)))
     [out] = _outputs(batch)
     assert out.finish_reason is FinishReason.ERROR and out.error_code is ErrorCode.INVALID_REQUEST
@@ -117,6 +120,9 @@ def test_received_utility_and_wave(server):
     batch = _handle_until(server, lambda b: CLIENT in b.by_client and len(b.by_client[CLIENT].utility_results) == 2)
     stats, unknown = batch.by_client[CLIENT].utility_results
     assert stats.call_id == "u1" and stats.error is None and "running" in stats.result
+    names = list(stats.result)  # the order the engine's hash and get_stats have always had
+    assert names[:5] == ["waiting", "running", "kv_usage", "num_steps", "generated_tokens"]
+    assert names.index("stats_at") == names.index("prefix_cache_hit_rate") + 1
     assert unknown.call_id == "u2" and "no_such_method" in unknown.error
     wave = server.waves.wave
     _send(server, StartWave(wave + 3, exclude_engine="another"))

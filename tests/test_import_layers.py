@@ -154,3 +154,45 @@ def test_no_other_installed_distribution_claims_our_top_level_names() -> None:
     owners = importlib.metadata.packages_distributions()
     claimed = {name: sorted(set(owners.get(name, [])) - {"redserve"}) for name in PACKAGES}
     assert {name: dists for name, dists in claimed.items() if dists} == {}
+
+
+# The request path inside api/ (docs/architecture.md, "Request lifecycle"): a handler parses with a protocol module
+# (pure: the body and the model's limits in, a typed request out) and runs it with api/serving.py (state, broker,
+# answers). Neither of those two reaches the other, or a handler, through any chain of imports.
+HANDLERS = {"api.chat", "api.completions", "api.responses"}
+PROTOCOL = {"api.protocol", "api.responses_protocol"}
+SERVING = {"api.serving"}
+REQUEST_PATH_BARS = {"api.serving": PROTOCOL | HANDLERS,
+                     "api.protocol": SERVING | HANDLERS, "api.responses_protocol": SERVING | HANDLERS}
+
+
+def import_chains(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module `start` reaches, with one chain of imports that gets there."""
+    chains = {start: [start]}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        for target in sorted(graph.get(module, ())):
+            if target not in chains:
+                chains[target] = [*chains[module], target]
+                todo.append(target)
+    return chains
+
+
+def request_path_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [" -> ".join(chain) for module, barred in sorted(REQUEST_PATH_BARS.items())
+            for target, chain in sorted(import_chains(graph, module).items()) if target in barred]
+
+
+def test_the_request_path_runs_one_way() -> None:
+    """api/serving.py never calls back into a protocol module (no chat -> protocol -> serving -> protocol), and
+    the protocol modules never into serving or a handler."""
+    files = module_files()
+    assert set(REQUEST_PATH_BARS) | HANDLERS <= set(files)
+    graph = {name: imports_of(path, set(files)) - {name} for name, path in files.items()}
+    assert request_path_violations(graph) == []
+
+
+def test_the_request_path_check_sees_an_indirect_hop() -> None:
+    graph = {"api.serving": {"api.state"}, "api.state": {"api.protocol"}}
+    assert request_path_violations(graph) == ["api.serving -> api.state -> api.protocol"]

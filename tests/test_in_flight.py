@@ -21,6 +21,7 @@ from protocol.messages import (
     RequestOutput,
     UtilityResult,
 )
+from protocol.sampling_params import SamplingParams
 
 LIVE = {"e0": {"incarnation": "i0"}, "e1": {"incarnation": "i1"}}
 
@@ -34,7 +35,7 @@ class Table:
         self.table.set_subscribed(True)
 
     def submit(self, rid: str, engine_id: str = "e0", n: int = 1) -> Mailbox:
-        add = AddRequest(rid, "c", [1, 2, 3], {"n": n, "max_tokens": 10, "temperature": 0}, 0.0)
+        add = AddRequest(rid, "c", [1, 2, 3], SamplingParams(n=n, max_tokens=10, temperature=0), 0.0)
         mb = Mailbox(add=add, engine_id=engine_id, incarnation=LIVE[engine_id]["incarnation"], n=n)
         self.table.note_incarnation(engine_id, mb.incarnation)  # as the client does when it chooses the engine
         assert self.table.register(mb)
@@ -124,7 +125,7 @@ def test_orphans_are_sorted_by_what_they_produced_and_what_they_ask_for(t) -> No
     unstarted = t.submit("u")
     started = t.submit("s")
     penalised = t.submit("p")
-    penalised.add.params["presence_penalty"] = 0.5
+    penalised.add.params.presence_penalty = 0.5
     elsewhere = t.submit("x", "e1")
     for seq, rid in enumerate(("s", "p"), start=1):
         t.step("e0", seq, _token(rid, 11))
@@ -181,7 +182,7 @@ def test_nothing_is_registered_while_unsubscribed_and_losing_the_subscription_ke
     t.step("e0", 7, _token("s", 11))
     assert t.table.lose_subscription(resubmit_limit=1) == (1, 1)
     assert not t.table.subscribed and not t.table.wait_subscribed(0)
-    assert not t.table.register(Mailbox(add=AddRequest("n", "c", [1], {}, 0.0), engine_id="e0", incarnation="i0", n=1))
+    assert not t.table.register(Mailbox(add=AddRequest("n", "c", [1], SamplingParams(), 0.0), engine_id="e0", incarnation="i0", n=1))
     assert _read(started)[-1][0].error_code is ErrorCode.BROKER_DISCONNECTED
     assert isinstance(call.get_nowait(), UtilityResult)
     assert unstarted.lost_with_redis and not unstarted.done and t.orphans().resend == [unstarted]
@@ -198,7 +199,7 @@ def test_nothing_is_registered_while_unsubscribed_and_losing_the_subscription_ke
 
 def test_a_started_request_lost_with_the_subscription_resumes_from_its_delivered_tokens(t) -> None:
     started, grammar = t.submit("s"), t.submit("g")
-    grammar.add.params["structured_output"] = {"json": {}}
+    grammar.add.params.structured_output = {"kind": "json_object"}
     t.step("e0", 1, _token("s", 11), _token("g", 21))
     assert t.table.since_resubscribed() == float("inf")
     assert t.table.lose_subscription(1, lambda mb: resume_blocker(mb.add.params)) == (1, 1)
@@ -210,7 +211,7 @@ def test_a_started_request_lost_with_the_subscription_resumes_from_its_delivered
     moved = t.table.move_to_continuations(started, "e0", "i0")  # its own engine will do: it lives on
     assert moved is not None and not started.lost_with_redis
     (rid, (index, add)), = moved.adds.items()
-    assert (rid, index, add.prompt_token_ids, add.params["max_tokens"]) == ("s~m1", 0, [1, 2, 3, 11], 9)
+    assert (rid, index, add.prompt_token_ids, add.params.max_tokens) == ("s~m1", 0, [1, 2, 3, 11], 9)
     t.step("e0", 3, _token("s~m1", 13, finish="length"))
     assert [(o.request_id, o.new_token_ids, last) for o, last in _read(started)] == [("s", [11], False),
                                                                                      ("s", [13], True)]

@@ -18,10 +18,11 @@ from protocol.messages import (
     decode,
     encode,
 )
+from protocol.sampling_params import SamplingParams
 
 SAMPLES = [
-    AddRequest("r1", "c1", [1, 2, 3], {"temperature": 0.5, "n": 2, "stop": ["\n"]}, 1700000000.25, 1700000060.0),
-    AddRequest("r2", "c1", [], {}, 1.0),
+    AddRequest("r1", "c1", [1, 2, 3], SamplingParams(temperature=0.5, n=2, seed=7), 1700000000.25, 1700000060.0),
+    AddRequest("r2", "c1", [], SamplingParams(), 1.0),
     AbortRequests(["r1", "r2"], "c1"),
     UtilityCall("u1", "c1", "reset_prefix_cache", [1, "x", None]),
     StartWave(7, None),
@@ -115,6 +116,13 @@ _RUNNING = ["r1", 0, [5], None, None, 1, 0]
         _wire(SAMPLES[0], prompt_token_ids=[1, True]),
         _wire(SAMPLES[0], prompt_token_ids=None),
         _wire(SAMPLES[0], params=[1]),
+        _wire(SAMPLES[0], params=None),
+        _wire(SAMPLES[0], params={"temperature": "hot"}),
+        _wire(SAMPLES[0], params={"n": 1.5}),
+        _wire(SAMPLES[0], params={"seed": True}),
+        _wire(SAMPLES[0], params={"stop_token_ids": [1, "2"]}),
+        _wire(SAMPLES[0], params={"structured_output": "json"}),
+        _wire(SAMPLES[0], v=1, params={"n": 2}, handoff="yes"),
         _wire(SAMPLES[0], arrival_time="now"),
         _wire(SAMPLES[0], arrival_time=True),
         _wire(SAMPLES[0], deadline="later"),
@@ -170,7 +178,9 @@ def test_numbers_widen_to_float_and_optional_fields_take_their_defaults():
 def test_unknown_extra_fields_are_ignored():
     assert decode(_wire(SAMPLES[2], future_field=1)) == SAMPLES[2]
     assert decode(_wire(SAMPLES[1], arrival_time=1, future_field=1)) == SAMPLES[1]  # the field-by-field path
-    longer = [*msgpack.unpackb(encode(SAMPLES[-1]))["outputs"][2], "a future field"]
+    full = msgpack.unpackb(encode(SAMPLES[-1]))["outputs"][2] + [False]  # every declared field, handoff last
+    assert len(full) == len(dataclasses.fields(RequestOutput))
+    longer = [*full, "a future field"]
     assert decode(_wire(SAMPLES[-1], outputs=[longer])).outputs == [SAMPLES[-1].outputs[2]]
 
 
@@ -183,6 +193,37 @@ def test_expect_rejects_other_types():
 def test_unencodable_payload_raises_message_error():
     with pytest.raises(MessageError):
         encode(UtilityCall("u", "c", "m", [object()]))
+
+
+def test_params_must_be_sampling_params_never_a_dict():
+    with pytest.raises(MessageError, match="AddRequest"):
+        encode(AddRequest("r", "c", [1], {"temperature": 0.5}, 1.0))
+
+
+def test_params_travel_as_a_map_of_changed_engine_fields_without_the_api_only_ones():
+    params = SamplingParams(temperature=0.5, max_tokens=100, stop=["\n"], include_stop_str_in_output=True,
+                            skip_special_tokens=False, stop_token_ids=[2])
+    raw = msgpack.unpackb(encode(AddRequest("r", "c", [1], params, 1.0)))
+    assert raw["params"] == {"temperature": 0.5, "max_tokens": 100, "stop_token_ids": [2]}
+    got = decode(encode(AddRequest("r", "c", [1], params, 1.0))).params
+    assert got == SamplingParams(temperature=0.5, max_tokens=100, stop_token_ids=[2])
+    assert (got.stop, got.include_stop_str_in_output, got.skip_special_tokens) == ([], False, True)
+    assert msgpack.unpackb(encode(SAMPLES[1]))["params"] == {}
+
+
+def test_a_version_1_dict_of_every_engine_field_reads_as_the_same_params():
+    """What an older client sent (`to_engine_dict`: every engine field by name, stop strings left out)."""
+    old = {"n": 2, "temperature": 0.5, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 7, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, "repetition_penalty": 1.0, "max_tokens": 16, "min_tokens": 0,
+           "stop_token_ids": [], "ignore_eos": False, "logprobs": None, "prompt_logprobs": None}
+    assert decode(_wire(SAMPLES[0], params=old)) == SAMPLES[0]
+
+
+def test_decoded_params_are_type_checked_and_validate_checks_their_ranges():
+    got = decode(_wire(SAMPLES[0], params={"temperature": -1.0, "top_k": -1}))
+    with pytest.raises(ValueError, match="temperature"):
+        got.params.validate()
+    assert decode(_wire(SAMPLES[0], params={"top_k": -1})).params.validate().top_k == 0
 
 
 def test_failure_carries_the_code_and_the_message_apart():

@@ -72,7 +72,7 @@ def test_prefix_cache_counters_count_a_shared_prefix(llama_dir: str) -> None:
     assert len(llm.engine.metrics) == 0
     counts = {name: h["counts"][-1] for name, h in second.histograms.items()}
     assert counts["request_queue_time_seconds"] == counts["request_inference_time_seconds"] == 2
-    assert counts[ITERATION_TOKENS] == second.steps
+    assert counts[ITERATION_TOKENS] == second.load.step
 
 
 def test_preemptions_are_counted_with_a_tiny_kv_cache(llama_dir: str) -> None:

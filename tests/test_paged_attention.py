@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from protocol.sampling_params import SamplingParams
 from protocol.step_types import NewRequestData, SchedulerOutput
 from worker.input_batch import InputBatch
 from worker.kernels import build
@@ -43,7 +44,7 @@ def run_step(specs: list[tuple[int, int]], *, kv_heads: int, group: int, dim: in
     v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
     sched = SchedulerOutput()
     for i, ((c, n), blocks) in enumerate(zip(specs, split(pool, needed), strict=False)):
-        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], {"max_tokens": 1}, blocks, c))
+        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], SamplingParams(max_tokens=1), blocks, c))
         sched.num_scheduled_tokens[f"r{i}"] = n
     batch = InputBatch(block_size, torch.device("cpu"), group, [1], use_kernel=use_kernel)
     batch.kernel_max_queries = 10**6  # the kernel serves cached-prefix chunks too
@@ -150,7 +151,7 @@ def test_cached_prefix_chunks_longer_than_a_query_tile() -> None:
 def test_kernel_layout_sends_decodes_and_short_cached_prefix_chunks_to_the_kernel() -> None:
     sched = SchedulerOutput()
     for i, (c, n) in enumerate([(4, 1), (0, 6), (16, 6)]):
-        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], {}, [2 * i, 2 * i + 1], c))
+        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], SamplingParams(), [2 * i, 2 * i + 1], c))
         sched.num_scheduled_tokens[f"r{i}"] = n
     batch = InputBatch(16, torch.device("cpu"), 2, [1], use_kernel=True)
     batch.update(sched)

@@ -5,11 +5,8 @@ replica and a sentinel shows nothing to clients. A dead node comes back as a rep
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +14,7 @@ import pytest
 import redis
 import requests
 from conftest import ApiStack
+from greedy_stream import GreedyStream
 from stack_procs import poll
 
 from broker.connection import connect, parse_sentinel_url, sentinel_url
@@ -43,45 +41,6 @@ def replicated_stack(tiny_llama_dir, tmp_path_factory) -> Iterator[tuple[Replica
         stack.close()
 
 
-class Stream:
-    """One streamed greedy completion in a thread: its text, usage and the longest wait between chunks."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.text, self.usage, self.error, self.longest_gap = "", None, None, 0.0
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run)
-        self.thread.start()
-
-    def _run(self) -> None:
-        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            with requests.post(f"{self.base_url}/v1/completions", json=body, stream=True, timeout=60) as resp:
-                last = time.monotonic()
-                for line in resp.iter_lines():
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    now = time.monotonic()
-                    if self.started.is_set():
-                        self.longest_gap = max(self.longest_gap, now - last)
-                    last = now
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]
-                    for choice in chunk.get("choices", []):
-                        self.text += choice.get("text", "")
-                    self.usage = chunk.get("usage") or self.usage
-                    self.started.set()
-        except requests.RequestException as e:
-            self.error = repr(e)
-
-    def join(self) -> Stream:
-        self.thread.join(timeout=90)
-        assert not self.thread.is_alive(), "a stream hung"
-        return self
-
-
 def _reference(base_url: str) -> str:
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
     resp = requests.post(f"{base_url}/v1/completions", json=body, timeout=60)
@@ -89,8 +48,8 @@ def _reference(base_url: str) -> str:
     return resp.json()["choices"][0]["text"]
 
 
-def _run_through(stack: ApiStack, fault, streams: int = 4) -> list[Stream]:
-    running = [Stream(stack.base_url) for _ in range(streams)]
+def _run_through(stack: ApiStack, fault, streams: int = 4) -> list[GreedyStream]:
+    running = [GreedyStream(stack.base_url, PROMPT, MAX_TOKENS) for _ in range(streams)]
     assert all(s.started.wait(60) for s in running), "streams did not start"
     fault()
     return [s.join() for s in running]

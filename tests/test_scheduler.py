@@ -110,7 +110,7 @@ def test_new_then_cached_request_data() -> None:
     new = out.new_requests[0]
     assert new.prompt_token_ids == req.prompt_token_ids and new.num_computed_tokens == 0
     assert new.block_ids == req.block_ids[:2] and len(new.block_ids) == 2
-    assert new.sampling["max_tokens"] == 16
+    assert new.sampling is req.params and new.sampling.max_tokens == 16
     out, _ = step(s)
     assert out.new_requests == []
     assert out.cached_requests == [CachedRequestData("a", [req.block_ids[2]], 8, False)]

@@ -267,11 +267,17 @@ def test_killed_api_worker_cuts_only_its_streams(stack: Stack) -> None:
     engine = stack.child("engine-0")
     streams: dict[int, list[LiveStream]] = {pid: [] for pid in workers}
     try:
-        while not all(streams.values()):  # streams until each worker serves at least one
-            assert sum(map(len, streams.values())) < 16, "every stream went to the same API worker"
-            stream = open_stream(stack, max_tokens=1000)
+        for target, other in (workers, workers[::-1]) * 2:  # two streams on each worker
+            # The workers share one listening socket and the kernel hands a connection to whichever accepts
+            # first (one took 16 in a row once): the other one is stopped while this one accepts.
+            os.kill(other, signal.SIGSTOP)
+            try:
+                stream = open_stream(stack, max_tokens=1000)
+            finally:
+                os.kill(other, signal.SIGCONT)
             owner = wait_for(lambda s=stream: socket_owner(workers, stack.port, s.client_port), 10,
                              "the worker serving a stream", interval=0.02)
+            assert owner == target
             streams[owner].append(stream)
         os.kill(engine, signal.SIGSTOP)  # every stream is now mid-stream and stays so until SIGCONT
         assert all(s.outcome == "open" for ss in streams.values() for s in ss), "a stream ended too early"

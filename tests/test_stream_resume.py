@@ -326,7 +326,10 @@ def test_a_dead_tp_worker_mid_generation_every_stream_resumes_identical(stack, r
     before = stack.migrations()
     results, threads = _run_streams(stack.base_url, reference.stops)
     poll(lambda: all(len(r.tokens) >= 3 for r in results), 60, "every stream to be under way")
-    victim = max(stack.engines, key=stack.running)
+    # The engine with the most streams running, read once its stats show any (a stale 0 on both would pick an
+    # engine without streams, and nothing would be left to resume).
+    victim = poll(lambda: max((r for r in stack.engines if stack.running(r)), key=stack.running, default=None), 30,
+                  "an engine with streams running")
     engine = stack.engines[victim]
     os.kill(engine.pid, signal.SIGSTOP)
     frozen = time.time()

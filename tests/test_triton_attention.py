@@ -17,6 +17,7 @@ from triton_interpret import load
 
 kernels, DEVICE, INTERPRETED = load("triton_attention")
 
+from protocol.sampling_params import SamplingParams  # noqa: E402
 from protocol.step_types import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from worker.input_batch import InputBatch  # noqa: E402
 from worker.layers import attention  # noqa: E402
@@ -61,7 +62,7 @@ class Step:
         self.v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
         sched = SchedulerOutput()
         for i, ((c, n), blocks) in enumerate(zip(specs, self.tables, strict=True)):
-            sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], {"max_tokens": 1}, blocks, c))
+            sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], SamplingParams(max_tokens=1), blocks, c))
             sched.num_scheduled_tokens[f"r{i}"] = n
         batch = InputBatch(block_size, DEVICE, group, [1], use_triton=True)
         batch.update(sched)
@@ -307,12 +308,12 @@ def run_two_steps(model: str, use_triton: bool) -> list[torch.Tensor]:
         attention.paged_attention_kernel() is not None
     runner.init_kv_cache(32)
     a, b = [(7 * i) % 97 + 5 for i in range(21)], [(3 * i) % 89 + 5 for i in range(37)]
-    first = SchedulerOutput(new_requests=[NewRequestData("a", a, [], {}, [4, 9], 0),
-                                          NewRequestData("b", b, [], {}, [1, 2], 0)],
+    first = SchedulerOutput(new_requests=[NewRequestData("a", a, [], SamplingParams(), [4, 9], 0),
+                                          NewRequestData("b", b, [], SamplingParams(), [1, 2], 0)],
                             num_scheduled_tokens={"a": 21, "b": 20})
     second = SchedulerOutput(
-        new_requests=[NewRequestData("c", [11, 12, 13, 14, 15], [], {}, [6], 0),
-                      NewRequestData("d", a[:16] + [40, 41, 42, 43, 44, 45], [], {}, [4, 12], 16)],
+        new_requests=[NewRequestData("c", [11, 12, 13, 14, 15], [], SamplingParams(), [6], 0),
+                      NewRequestData("d", a[:16] + [40, 41, 42, 43, 44, 45], [], SamplingParams(), [4, 12], 16)],
         cached_requests=[CachedRequestData("a", [], 21), CachedRequestData("b", [3], 20)],
         num_scheduled_tokens={"a": 1, "b": 17, "c": 5, "d": 6})
     logits = []

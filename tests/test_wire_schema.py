@@ -16,17 +16,31 @@ from hypothesis import strategies as st
 
 from protocol import messages, step_types
 from protocol.errors import MessageError
-from protocol.wire_schema import wire
+from protocol.sampling_params import MAX_LOGPROBS, SamplingParams
+from protocol.wire_schema import off_wire, wire
 from worker import serialization
 
 MESSAGES = [messages.AddRequest, messages.AbortRequests, messages.UtilityCall, messages.StartWave,
             messages.EngineOutputs]
 RECORDS = [messages.RequestOutput, messages.UtilityResult]
+BY_NAME = [SamplingParams]
 STEP_TYPES = [step_types.NewRequestData, step_types.CachedRequestData, step_types.SchedulerOutput,
               step_types.SampledToken, step_types.ModelRunnerOutput]
 SCALARS = {str: st.text(max_size=6), int: st.integers(-(2**63), 2**64 - 1), bool: st.booleans(),
            float: st.floats(allow_nan=False), bytes: st.binary(max_size=6)}
 ANY = st.none() | st.integers(-5, 5) | st.text(max_size=3) | st.lists(st.integers(0, 9), max_size=3)
+
+
+def sampling_params() -> st.SearchStrategy:
+    """SamplingParams that pass its range checks (its constructor refuses the others)."""
+    unit = st.floats(0.01, 1.0)
+    maybe_k = st.none() | st.integers(0, MAX_LOGPROBS)
+    return st.builds(SamplingParams, n=st.integers(1, 4), temperature=st.floats(0.0, 2.0), top_p=unit,
+                     top_k=st.integers(-1, 50), min_p=st.floats(0.0, 1.0), seed=st.none() | st.integers(-(2**63), 2**63 - 1),
+                     presence_penalty=st.floats(-2.0, 2.0), repetition_penalty=st.floats(0.5, 2.0),
+                     max_tokens=st.none() | st.integers(1, 100), stop_token_ids=st.lists(st.integers(0, 9), max_size=3),
+                     ignore_eos=st.booleans(), logprobs=maybe_k, prompt_logprobs=maybe_k,
+                     structured_output=st.none() | st.just({"kind": "regex", "value": "a+"}))
 
 
 def strategy(tp: Any) -> st.SearchStrategy:
@@ -50,6 +64,8 @@ def strategy(tp: Any) -> st.SearchStrategy:
 
 
 def instances(cls: type) -> st.SearchStrategy:
+    if cls is SamplingParams:
+        return sampling_params()
     spec = cls.__wire__
     return st.builds(cls, **{f.name: strategy(spec.hints[f.name]) for f in spec.fields})
 
@@ -77,7 +93,7 @@ def test_every_message_round_trips(cls, data):
     assert _message_round_trip(msg) == msg
 
 
-@pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", RECORDS + BY_NAME, ids=lambda c: c.__name__)
 @_SETTINGS
 @given(data=st.data())
 def test_every_record_round_trips(cls, data):
@@ -95,14 +111,17 @@ def test_every_step_type_round_trips_through_the_shm_codec(cls, data):
 
 def _wrong_value(tp: Any) -> Any:
     """A value that no field of type `tp` accepts."""
-    return {"no": "way"} if typing.get_origin(tp) is not dict and tp is not dict else ["no", "way"]
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):  # X | None: what X refuses
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    is_map = typing.get_origin(tp) is dict or tp is dict or (hasattr(tp, "__wire__") and not tp.__wire__.array)
+    return ["no", "way"] if is_map else {"no": "way"}
 
 
 def _checked_fields(cls):
     return [f for f in cls.__wire__.fields if cls.__wire__.hints[f.name] is not Any]
 
 
-@pytest.mark.parametrize("cls", MESSAGES + RECORDS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", MESSAGES + RECORDS + BY_NAME, ids=lambda c: c.__name__)
 @_SETTINGS
 @given(data=st.data())
 def test_a_field_of_the_wrong_type_is_a_message_error(cls, data):
@@ -207,4 +226,47 @@ def test_a_wire_type_is_either_a_map_or_an_array():
     with pytest.raises(TypeError):
         wire(tag="x", array=True)(dataclasses.make_dataclass("Both", [("a", int)]))
     with pytest.raises(TypeError):
+        wire(array=True, by_name=True)(dataclasses.make_dataclass("Both", [("a", int)]))
+    with pytest.raises(TypeError):
         wire()(dataclasses.make_dataclass("Neither", [("a", int)]))
+
+
+@wire(by_name=True)
+@dataclass
+class Pen:
+    width: float = 1.0
+    color: Color | None = None
+    owner: str = off_wire(default="me")
+    marks: list[int] = off_wire(default_factory=list)
+
+
+def test_a_by_name_record_is_a_map_of_its_changed_fields_and_off_wire_fields_never_travel():
+    assert Pen().to_wire() == {}
+    pen = Pen(2.0, Color.RED, owner="you", marks=[1])
+    assert pen.to_wire() == {"width": 2.0, "color": "red"}
+    back = Pen.from_wire(msgpack.unpackb(msgpack.packb(pen.to_wire())))
+    assert back == Pen(2.0, Color.RED) and (back.owner, back.marks) == ("me", [])
+    assert Pen.from_wire({"owner": "them", "marks": [2], "width": 3}) == Pen(3.0)  # not read from the wire either
+    with pytest.raises(MessageError, match="Pen.width"):
+        Pen.from_wire({"width": "thick"})
+    with pytest.raises(MessageError, match="Pen"):
+        Pen.from_wire([2.0])
+
+
+def test_a_nested_record_of_the_wrong_layout_names_its_field():
+    @wire(tag="box")
+    @dataclass
+    class Box:
+        pen: Pen
+        point: Point | None = None
+
+    assert Box.from_wire({"t": "box", "v": 1, "pen": {"width": 2}, "point": [1, 2]}) == Box(Pen(2.0), Point(1, 2))
+    with pytest.raises(MessageError, match="Box.pen: expected a map"):
+        Box.from_wire({"t": "box", "v": 1, "pen": [2.0]})
+    with pytest.raises(MessageError, match="Box.point: expected an array"):
+        Box.from_wire({"t": "box", "v": 1, "pen": {}, "point": {"x": 1}})
+
+
+def test_a_field_off_the_wire_needs_a_default():
+    with pytest.raises(TypeError, match="off the wire"):
+        wire(by_name=True)(dataclasses.make_dataclass("NoDefault", [("a", int, off_wire())]))

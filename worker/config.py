@@ -67,6 +67,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     quantization: str = "auto"
     gguf_file: str | None = None
+    kv_tier_url: str | None = None  # the KV tier (engine.kv_tier): redis:// (a Valkey of its own, never the control Redis) or shm://
 
     def __post_init__(self) -> None:
         if is_gguf(self.model):
@@ -99,6 +100,10 @@ class EngineConfig:
         if self.async_scheduling and self.world_size > 1:
             raise ValueError("async_scheduling runs the model in the engine's own process: it needs "
                              "tensor_parallel_size = pipeline_parallel_size = 1")
+        if self.kv_tier_url and not self.enable_prefix_caching:
+            raise ValueError("the KV tier stores and finds prefix blocks: it needs prefix caching on")
+        if self.kv_tier_url and self.pipeline_parallel_size > 1:
+            raise ValueError("the KV tier reads whole blocks between steps: it needs pipeline_parallel_size = 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2")
         if self.device == "auto":

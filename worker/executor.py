@@ -14,6 +14,7 @@ launches the next one before it waits for the first one's tokens (``ModelRunner.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +40,15 @@ class Executor(Protocol):
     def collect_step(self) -> ModelRunnerOutput: ...
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]: ...
+
+    def save_kv_blocks(self, block_ids: list[int]) -> Callable[[], list[list[bytes | memoryview]]]:
+        """Start reading whole KV blocks for the KV tier; the returned call gives each block's pieces (one per
+        rank, in rank order), waiting for the copy if it must. The blocks may be reused once it returns."""
+        ...
+
+    def load_kv_blocks(self, block_ids: list[int], pieces: list[list[bytes | memoryview]]) -> None:
+        """Fill whole KV blocks from the tier: ``pieces[i]`` holds block i's pieces, one per rank."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -67,6 +77,13 @@ class UniprocExecutor:
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
         return [getattr(self.runner, method)(*args)]
+
+    def save_kv_blocks(self, block_ids: list[int]) -> Callable[[], list[list[bytes | memoryview]]]:
+        read = self.runner.start_kv_read(block_ids)  # queued behind the steps in flight; waited for in the call
+        return lambda: [[piece] for piece in read.pieces()]
+
+    def load_kv_blocks(self, block_ids: list[int], pieces: list[list[bytes | memoryview]]) -> None:
+        self.runner.write_kv_blocks(block_ids, [[block[0] for block in pieces]])
 
     def shutdown(self) -> None:
         self.runner.kv_caches = []

@@ -163,7 +163,7 @@ class InputBatch:
             self._forget(req_id)
         for new in sched.new_requests:
             self._forget(new.req_id)
-            params = SamplingParams.from_dict(new.sampling)
+            params = new.sampling
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol.step_types import ModelRunnerOutput, SchedulerOutput
+from worker import kv_block_copy
 from worker.config import EngineConfig
 from worker.cuda_graphs import CudaGraph, GraphRunner, capture_sizes, graphs_off_reason
 from worker.device_memory import DeviceMemory, device_memory_for, kv_cache_budget
@@ -121,9 +122,10 @@ class ModelRunner:
         return budget
 
     def profile_run(self, num_tokens: int) -> None:
+        from protocol.sampling_params import SamplingParams
         from protocol.step_types import NewRequestData
         blocks = list(range(-(-num_tokens // self.config.block_size)))
-        req = NewRequestData("__profile__", [0] * num_tokens, [], {"max_tokens": 1}, blocks, 0)
+        req = NewRequestData("__profile__", [0] * num_tokens, [], SamplingParams(max_tokens=1), blocks, 0)
         self.execute_model(SchedulerOutput(new_requests=[req], num_scheduled_tokens={"__profile__": num_tokens}))
         self.input_batch.requests.pop("__profile__", None)
 
@@ -173,6 +175,24 @@ class ModelRunner:
         shape = (2, num_blocks * self.config.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
+
+    def kv_layout(self) -> dict:
+        """What decides the bytes of this rank's KV blocks (the KV tier's namespace)."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads * tp_group().size, "head_size": self.head_dim,
+                "block_size": self.config.block_size}
+
+    def start_kv_read(self, block_ids: list[int]) -> kv_block_copy.ReadBlocks:
+        """Start copying whole KV blocks to the host (the KV tier's pieces, ``worker.kv_block_copy``)."""
+        return kv_block_copy.start_read(self.kv_caches, block_ids, self.config.block_size)
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """This rank's piece of each block, as bytes (the form a worker process replies in)."""
+        return [bytes(piece) for piece in self.start_kv_read(block_ids).pieces()]
+
+    def write_kv_blocks(self, block_ids: list[int], pieces_by_rank: list[list[bytes]]) -> None:
+        """Fill whole KV blocks with this rank's pieces (``pieces_by_rank[tp rank][i]`` for block i)."""
+        kv_block_copy.write(self.kv_caches, block_ids, self.config.block_size, pieces_by_rank[tp_group().rank])
 
     def execute_model(self, sched: SchedulerOutput,
                       new_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:

@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -184,6 +185,15 @@ class MultiprocExecutor:
                 raise RuntimeError(f"{method} failed on worker rank {rank}: {value}")
             results.append(value)
         return results
+
+    def save_kv_blocks(self, block_ids: list[int]) -> Callable[[], list[list[bytes]]]:
+        by_rank = self.collective_rpc("read_kv_blocks", (block_ids,))  # the workers reply once it is read
+        blocks = [list(pieces) for pieces in zip(*by_rank, strict=True)]
+        return lambda: blocks
+
+    def load_kv_blocks(self, block_ids: list[int], pieces: list[list[bytes | memoryview]]) -> None:
+        by_rank = [[bytes(block[rank]) for block in pieces] for rank in range(self.world_size)]
+        self.collective_rpc("write_kv_blocks", (block_ids, by_rank))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for it (no other step may be in flight)."""

@@ -43,7 +43,12 @@ Rules:
 - `submit` raises `NoEngineAvailable` (no READY live engine), `BrokerUnavailable` (Redis
   unreachable or not subscribed within `subscribe_timeout`), `EngineOverloaded` (the engine's
   request stream holds `max_stream_len` messages), ValueError (duplicate request id, foreign client
-  id) or `MessageError` (params not msgpack-able).
+  id) or `MessageError` (a field not msgpack-able, or params that are not a `SamplingParams`).
+- Prefill/decode disaggregation: engines registered with a `role`; with both a prefill and a decode pool READY,
+  a new request goes to a prefill engine marked `handoff` (`_place`), which answers its first token with
+  `RequestOutput.handoff` once the KV tier holds its prompt's blocks; the maintenance thread then continues it
+  on a decode engine (`broker.client.migration`, reason handoff), which loads those blocks from the tier. The
+  caller sees one stream.
 - Request streams are never trimmed: a trimmed ADD would be lost unread and its client would wait
   for nothing. Engines XACK+XDEL what they finished, so a stream's length is its unread plus
   in-flight messages; an ADD goes in only while that length is under `max_stream_len`, checked and
@@ -72,12 +77,13 @@ from broker.client.liveness import Maintenance
 from broker.client.mailbox import Mailbox
 from broker.client.migration import migration_blocker
 from broker.client.request_handle import RequestHandle
+from broker.client.request_resume import handoff_blocker
 from broker.client.sender import Sender
 from broker.connection import connect
 from broker.engine_link import STREAM_FIELD
 from broker.errors import BrokerUnavailable, EngineOverloaded, NoEngineAvailable, UtilityError
 from broker.keys import EngineState, RedisKeys, check_id
-from broker.load_balance import EngineSelector, read_lb_snapshot
+from broker.load_balance import DECODE_ROLES, PREFILL_ROLES, EngineSelector, read_lb_snapshot
 from broker.prefix_index import PrefixIndexReader, RoutingCounter
 from broker.registry import EngineRegistry
 from protocol.messages import AddRequest, UtilityCall, UtilityResult, encode
@@ -236,9 +242,9 @@ class BrokerClient:
             add.client_id = self.client_id
         elif add.client_id != self.client_id:
             raise ValueError(f"AddRequest.client_id {add.client_id!r} is not this client ({self.client_id!r})")
+        info = self._place(add) if engine_id is None else self._choose(engine_id, add.prompt_token_ids)
         payload = encode(add)
-        info = self._choose(engine_id, add.prompt_token_ids)
-        n = int(add.params.get("n", 1) or 1)
+        n = add.params.n
         mb = Mailbox(add=add, engine_id=info["engine_id"], incarnation=info.get("incarnation"), n=n)
         self._register(mb)
         cap = self.settings.max_stream_len
@@ -324,6 +330,22 @@ class BrokerClient:
             info = self._live_engines().get(engine_id)
             if info is None or info.get("state") != EngineState.READY:
                 raise NoEngineAvailable(f"engine {engine_id} is not ready (not registered, not READY or no heartbeat)")
+        self.table.note_incarnation(info["engine_id"], info.get("incarnation"))
+        return info
+
+    def _place(self, add: AddRequest) -> dict[str, Any]:
+        """The engine for a new request. With both a prefill and a decode pool READY, a request that can be split
+        (`handoff_blocker`) goes to the prefill pool marked `handoff`, one that is all prefill (max_tokens 1) to
+        the prefill pool, any other to the decode pool; otherwise any engine."""
+        gone = self.table.gone_engines()
+        roles = None
+        try:
+            if self.selector.has_role(PREFILL_ROLES, gone) and self.selector.has_role(DECODE_ROLES, gone):
+                add.handoff = handoff_blocker(add.params) is None
+                roles = PREFILL_ROLES if add.handoff or add.params.max_tokens == 1 else DECODE_ROLES
+            info = self.selector.select(exclude=gone, token_ids=add.prompt_token_ids, roles=roles)
+        except redis.RedisError as e:
+            raise BrokerUnavailable(f"could not read the engine list from Redis: {e}") from e
         self.table.note_incarnation(info["engine_id"], info.get("incarnation"))
         return info
 

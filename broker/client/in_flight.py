@@ -27,6 +27,10 @@ Rules:
   engine lives is ABORTed there (deferred), one whose engine is gone is not.
 - Outputs reach a mailbox only from the engine it is placed on and under a wire id it still routes: late
   outputs of a gone engine, of a request moved to continuations, or of one lost with Redis are dropped.
+- A handoff output (`RequestOutput.handoff`: the prefill engine is done with the request) marks its mailbox
+  `handoff_pending` and wakes the maintenance thread, whose next check moves it (`collect_orphans` returns it as
+  a `resume` with reason `HANDOFF`, whatever its engine's state); `move_to_continuations(handoff=True)` moves it
+  once and counts it in `Mailbox.handoffs`, which never count against `max_migrations`.
 - The first verdict on an engine wins: declaring it gone again keeps the first reason. A verdict is
   dropped once the registry agrees (the engine deregistered, expired or restarted), but the liveness
   check that drops it still reads the reasons as they were before (`collect_orphans`): an engine that
@@ -60,6 +64,8 @@ logger = logging.getLogger(__name__)
 Verdict = tuple[str | None, str]  # (incarnation, reason) of an engine declared gone
 REDIS_LOST = "redis_lost"
 """Why a started request moves when the output subscription dropped (a Redis restart or failover)."""
+HANDOFF = "handoff"
+"""Why a request moves when its prefill engine handed it over (prefill/decode disaggregation)."""
 
 
 @dataclasses.dataclass
@@ -285,6 +291,9 @@ class InFlightTable:
         mb.outputs.put((out, last))
         if last:
             self._finish_locked(mb)
+        elif out.handoff:  # its prefill engine is done with it: the maintenance thread moves it now
+            mb.handoff_pending = True
+            self._liveness_due.set()
 
     # ----------------------------------------------------------------- utility calls
 
@@ -375,6 +384,9 @@ class InFlightTable:
                     else:
                         orphans.resend.append(mb)
                     continue
+                if mb.handoff_pending:
+                    orphans.resume.append((mb, HANDOFF))
+                    continue
                 if mb.engine_id in live and live[mb.engine_id].get("incarnation") == mb.incarnation:
                     continue
                 if not mb.got_output and mb.resubmits < resubmit_limit:
@@ -428,13 +440,18 @@ class InFlightTable:
             self._placed(engine_id)
             return True
 
-    def move_to_continuations(self, mb: Mailbox, engine_id: str, incarnation: str | None) -> Continuation | None:
+    def move_to_continuations(self, mb: Mailbox, engine_id: str, incarnation: str | None,
+                              handoff: bool = False) -> Continuation | None:
         """Resume `mb` on `engine_id`: end the sequences the caller stopped, build the ADDs that continue the
         running ones (`broker.client.request_resume`) and route `mb` under their ids only, in one step (late outputs
-        for the old ids are dropped). None if `mb` ended (or had to fail: it cannot be continued)."""
+        for the old ids are dropped). None if `mb` ended (or had to fail: it cannot be continued), or, for a
+        `handoff`, if it was handed over already."""
         with self._lock:
-            if mb.done:
+            if mb.done or (handoff and not mb.handoff_pending):
                 return None
+            if handoff:
+                mb.handoff_pending = False
+                mb.handoffs += 1
             old, old_ids = mb.engine_id, list(mb.routes)
             self._end_abandoned_locked(mb)
             if mb.done:

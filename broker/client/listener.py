@@ -6,7 +6,7 @@ fails that engine's requests with output_lost, continuations renamed to their re
 declare the engine gone). When the
 subscription drops it tells the table (`lose_subscription`: unstarted requests wait to be sent again, started
 ones that may move wait to be resumed from their delivered tokens, the rest and every utility call fail with
-broker_disconnected) and resubscribes with backoff (capped at 2 s, 0.25 s behind sentinels).
+broker_disconnected) and resubscribes with backoff (capped at 2 s, 0.25 s behind sentinels or on a cluster).
 
 `OutputListener` holds no state of its own: it is given the channel to read and the in-flight table to feed,
 and does its Redis I/O (on a connection of its own) outside the table's lock.
@@ -19,17 +19,19 @@ import threading
 from collections.abc import Callable
 
 import redis
+from redis.exceptions import ClusterDownError, RedisClusterUnreachableError
 
 from broker.channels import Subscriber
 from broker.client.in_flight import InFlightTable
 from broker.client.mailbox import Mailbox
-from broker.connection import is_sentinel_url
+from broker.connection import is_cluster_url, is_sentinel_url
 from broker.log_limits import warn_every
 from protocol.messages import EngineOutputs, MessageError, decode
 
 logger = logging.getLogger(__name__)
 
-_OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError)
+_OUTAGE = (redis.ConnectionError, redis.TimeoutError, OSError, ClusterDownError, RedisClusterUnreachableError)
+"""Errors that say Redis is away (on a cluster also: its state is fail, or no node answers): one warning, no trace."""
 _BACKOFF_CAP = 2.0
 _FAILOVER_BACKOFF_CAP = 0.25
 
@@ -45,8 +47,10 @@ class OutputListener:
         self._table = table
         self._resubmit_limit = resubmit_limit
         self._resume_blocker = resume_blocker
-        # Behind sentinels a new primary is up within seconds: look for it often.
-        self._backoff_cap = _FAILOVER_BACKOFF_CAP if is_sentinel_url(redis_url) else _BACKOFF_CAP
+        # Behind sentinels, or on a cluster that fails over by itself, a new primary is up within seconds: look
+        # for it often.
+        failover = is_sentinel_url(redis_url) or is_cluster_url(redis_url)
+        self._backoff_cap = _FAILOVER_BACKOFF_CAP if failover else _BACKOFF_CAP
 
     def run(self, stopping: threading.Event) -> None:
         failures = 0

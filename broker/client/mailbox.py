@@ -38,6 +38,8 @@ class Mailbox:
     delivered: dict[int, list[int]] = field(default_factory=dict)  # index -> tokens handed to the caller
     abandoned: set[int] = field(default_factory=set)  # indices the caller stopped (a stop string)
     migrations: int = 0
+    handoffs: int = 0  # of the migrations, the planned ones from a prefill engine (never count against the limit)
+    handoff_pending: bool = False  # its prefill engine handed it over: it moves to a decode engine next
     engine_error: str | None = None  # its engine failed as a whole (engine_failed): the message, if not resumed
     gone_reason: str | None = None  # why its engine was declared gone, kept until the request has moved
 

@@ -5,7 +5,10 @@
 token lost or repeated. It is called by the maintenance thread once `mb`'s engine is declared gone.
 
 Rules:
-- A request moves at most `max_migrations` times; past that, or when `request_resume.resume_blocker`
+- A handoff (reason `HANDOFF`: a prefill engine finished the request's prompt and first token) is a planned
+  move: it goes to the least loaded engine of the decode pool (any engine when there is none), sends no ABORT
+  (the prefill engine dropped the request) and does not count against `max_migrations`.
+- A request moves at most `max_migrations` times (handoffs aside); past that, or when `request_resume.resume_blocker`
   says it cannot, it ends with engine_gone (or the engine's own engine_failed error) as before.
 - The routes change and the continuation ADDs are built in one step of the in-flight table
   (`InFlightTable.move_to_continuations`), so no output of the old engine can slip in between (the old
@@ -27,12 +30,12 @@ from collections.abc import Callable
 
 import redis
 
-from broker.client.in_flight import REDIS_LOST, InFlightTable
+from broker.client.in_flight import HANDOFF, REDIS_LOST, InFlightTable
 from broker.client.mailbox import Mailbox
 from broker.client.request_resume import resume_blocker
 from broker.client.sender import Sender
 from broker.errors import NoEngineAvailable
-from broker.load_balance import EngineSelector
+from broker.load_balance import DECODE_ROLES, EngineSelector
 from protocol.messages import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -42,8 +45,8 @@ def migration_blocker(mb: Mailbox, max_migrations: int) -> str | None:
     """Why `mb` may not move now, or None (called by the in-flight table, under its lock)."""
     if max_migrations == 0:
         return "resuming is off (--max-migrations 0)"
-    if mb.migrations >= max_migrations:
-        return f"it was moved {mb.migrations} time(s) already (--max-migrations {max_migrations})"
+    if mb.migrations - mb.handoffs >= max_migrations:
+        return f"it was moved {mb.migrations - mb.handoffs} time(s) already (--max-migrations {max_migrations})"
     return resume_blocker(mb.add.params)
 
 
@@ -65,19 +68,22 @@ class Migrator:
         """Continue `mb` on another live engine, or on its own once restarted; `wait_for_engine(mb)` parks it
         if none is READY (until `replace_wait`)."""
         table, selector = self._table, self._selector
+        handoff = reason == HANDOFF
         # Its own engine is a fine target again once it is back as a new incarnation (a restart: DP=1), or
         # when only Redis was lost (the engine lives on, its outputs could not reach us).
         cached = selector.live_engines(max_age=float("inf")).get(mb.engine_id, {})
         gone = table.gone_engines()
-        same = cached.get("incarnation") == mb.incarnation and reason != REDIS_LOST
+        same = cached.get("incarnation") == mb.incarnation and reason not in (REDIS_LOST, HANDOFF)
         exclude = [mb.engine_id, *gone] if same else gone
         try:
-            info = selector.select(exclude=exclude, token_ids=mb.add.prompt_token_ids)
+            # A handoff goes to the decode pool (`broker.load_balance.DECODE_ROLES`), any engine when it has none.
+            info = selector.select(exclude=exclude, token_ids=mb.add.prompt_token_ids,
+                                   roles=DECODE_ROLES if handoff and selector.has_role(DECODE_ROLES, exclude) else None)
         except NoEngineAvailable:
             wait_for_engine(mb)
             return
         table.note_incarnation(info["engine_id"], info.get("incarnation"))
-        moved = table.move_to_continuations(mb, info["engine_id"], info.get("incarnation"))
+        moved = table.move_to_continuations(mb, info["engine_id"], info.get("incarnation"), handoff=handoff)
         if moved is None:
             return
         old, old_ids, adds = moved
@@ -90,7 +96,9 @@ class Migrator:
         except redis.RedisError as e:
             table.fail(mb, ErrorCode.BROKER_DISCONNECTED, f"could not resume the request: {e}", abort=False)
             return
-        if reason == REDIS_LOST:
+        if handoff:
+            pass  # the prefill engine dropped the request when it handed it over: nothing to abort
+        elif reason == REDIS_LOST:
             table.defer_aborts(old, old_ids)  # sent once the engine is live again (it may not have re-registered)
         elif old in selector.live_engines(max_age=float("inf")):
             self._sender.send_aborts(old, old_ids)

@@ -22,13 +22,13 @@ Rules:
   (`structured_output`: the new engine would restart the grammar at the continuation's first token)
   and with presence or frequency penalties (they count generated tokens, and the delivered ones would
   become prompt). `repetition_penalty` counts prompt and output alike, so it resumes exactly.
+- Everything here reads and builds typed `SamplingParams` (the request's own, as the API built it): no dicts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from protocol.messages import AddRequest
 from protocol.request_ids import continuation_id
@@ -43,25 +43,34 @@ def continuation_seed(child_seed: int, delivered: int) -> int:
     return (child_seed + delivered * _GOLDEN_64 - _INT64_MIN) % 2**64 + _INT64_MIN
 
 
-def resume_blocker(params: Mapping[str, Any]) -> str | None:
-    """Why a request with these engine params cannot be resumed elsewhere, or None if it can."""
-    if params.get("structured_output"):
+def resume_blocker(params: SamplingParams) -> str | None:
+    """Why a request with these params cannot be resumed elsewhere, or None if it can."""
+    if params.structured_output:
         return "it is constrained by a grammar"
-    if params.get("presence_penalty") or params.get("frequency_penalty"):
+    if params.presence_penalty or params.frequency_penalty:
         return "presence/frequency penalties count the tokens it generated"
     return None
 
 
-def continuation_params(params: Mapping[str, Any], index: int, delivered: int) -> dict[str, Any]:
-    """Engine params for sequence `index` continuing after `delivered` tokens (n = 1)."""
-    sp = SamplingParams.from_dict(dict(params)).for_child(index)
+def handoff_blocker(params: SamplingParams) -> str | None:
+    """Why a new request with these params is not split between a prefill and a decode engine, or None."""
+    if params.n > 1:
+        return "n > 1"
+    if params.max_tokens == 1:
+        return "one token: its prefill engine finishes it"
+    return resume_blocker(params)
+
+
+def continuation_params(params: SamplingParams, index: int, delivered: int) -> SamplingParams:
+    """Params of sequence `index` continuing after `delivered` tokens (n = 1)."""
+    sp = params.for_child(index)
     max_tokens = None if sp.max_tokens is None else sp.max_tokens - delivered
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"sequence {index} already delivered {delivered} of its {sp.max_tokens} tokens")
     seed = None if sp.seed is None else continuation_seed(sp.seed, delivered)
     resumed = dataclasses.replace(sp, max_tokens=max_tokens, min_tokens=max(0, sp.min_tokens - delivered),
                                   seed=seed, prompt_logprobs=None)
-    return resumed.to_engine_dict()
+    return resumed
 
 
 def continuation_adds(add: AddRequest, delivered: Mapping[int, list[int]], running: list[int],
@@ -70,7 +79,7 @@ def continuation_adds(add: AddRequest, delivered: Mapping[int, list[int]], runni
 
     `delivered` holds each sequence's tokens so far (by index); `migration` numbers this move (1, 2, ...).
     """
-    n = int(add.params.get("n", 1) or 1)
+    n = add.params.n
     adds = {}
     for index in running:
         tokens = delivered.get(index, [])
