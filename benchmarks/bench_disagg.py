@@ -201,7 +201,7 @@ def decode_streams(args: argparse.Namespace, base_url: str, with_prompts: bool) 
 
     def prompts() -> int:
         sent = 0
-        while not done.wait(1.0):
+        while not done.wait(1.0) and (not args.max_prompts or sent < args.max_prompts):
             long = [rng.randrange(10, 1000) for _ in range(args.prefix_len)]
             threading.Thread(target=client.stream_completion, daemon=True, args=({
                 "prompt": long, "max_tokens": 16, "ignore_eos": True, "temperature": 0, "stream": True},)).start()
@@ -213,11 +213,10 @@ def decode_streams(args: argparse.Namespace, base_url: str, with_prompts: bool) 
         results = list(pool.map(decode, range(16)))
         done.set()
         sent = sender.result() if sender else 0
-    failed = [r.error for r in results if not r.ok]
-    if failed:
-        raise RuntimeError(f"decode streams failed: {failed[0]}")
+    failed = [r.error for r in results if not r.ok]  # an overloaded stack's streams may pass their deadline
     itls = [x for r in results for x in r.itls[8:]]  # past the first tokens (and a handoff's seam)
-    return {"itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3, "prompts_sent": sent}
+    return {"itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3, "prompts_sent": sent,
+            "streams_failed": len(failed), "first_error": failed[0] if failed else None}
 
 
 def bench_interference(args: argparse.Namespace, logs: Path) -> dict:
@@ -264,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-len", type=int, default=256, help="tokens each decode stream generates (interference)")
     p.add_argument("--prefix-len", type=int, default=2000)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--max-prompts", type=int, default=0,
+                   help="long prompts sent at most in the interference case (0: one a second until the streams end); "
+                        "bounds a run where prefill cannot keep up with one a second (SmolLM2 on 2 cores: ~3.6 s each)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--tier-memory", default="2gb")
     p.add_argument("--concurrency", type=int, default=64)
@@ -299,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in i.items():
             print(f"{name}: 16 decode streams, ITL p99 {r['quiet']['itl_p99_ms']:.1f} ms alone, "
                   f"{r['with_prompts']['itl_p99_ms']:.1f} ms with {args.prefix_len}-token prompts at 1/s "
-                  f"({r['p99_ratio']:.2f}x; p50 {r['p50_ratio']:.2f}x)", flush=True)
+                  f"({r['p99_ratio']:.2f}x; p50 {r['p50_ratio']:.2f}x; {r['with_prompts']['prompts_sent']} prompts sent, "
+                  f"{r['with_prompts']['streams_failed']} of 16 streams failed)", flush=True)
     if "overhead" in cases:
         report["overhead"] = o = bench_overhead(args, logs)
         print(f"c={o['concurrency']}, no shared prefixes: {o['tier_tok_per_s']:.1f} tok/s with the tier, "
