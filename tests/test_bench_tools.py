@@ -32,7 +32,7 @@ from benchmarks.bench_vs_vllm import (  # noqa: E402
     redserve_quantization,
     round_ratios,
 )
-from benchmarks.llamacpp_build import cpu_key, cpu_summary  # noqa: E402
+from benchmarks.llamacpp_build import CMAKE_OPTIONS, cmake_options, cpu_key, cpu_summary  # noqa: E402
 from benchmarks.perplexity import chunks, parse_llama_perplexity, perplexity, scored_logprobs  # noqa: E402
 from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
 from redserve.bench_serve import Client, bench_args, percentile  # noqa: E402
@@ -149,6 +149,18 @@ def test_redserve_quantization_is_read_from_its_extra_arguments() -> None:
 def test_cpu_summary_marks_missing_flags_and_the_key_ignores_order() -> None:
     assert cpu_summary({"avx2", "avx512_bf16"}) == "avx2 -avx512f -avx512_vnni avx512_bf16 -amx_bf16"
     assert cpu_key({"a", "b"}) == cpu_key({"b", "a"}) != cpu_key({"a"})
+
+
+def test_llamacpp_builds_without_amx_where_the_cpu_reports_tiles_that_fault() -> None:
+    """A VM may list amx_tile while its tiles raise SIGILL: llama.cpp's native build then dies at the first decode,
+    so it is built for the CPU's other features by name."""
+    flags = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"}
+    assert cmake_options({"avx2", "fma"}) == CMAKE_OPTIONS  # no AMX reported: native
+    assert cmake_options(flags, amx=True) == CMAKE_OPTIONS  # AMX that runs: native
+    options = cmake_options(flags, amx=False)
+    assert "-DGGML_NATIVE=OFF" in options and "-DGGML_NATIVE=ON" not in options
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=OFF", "-DGGML_AVX2=ON",
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"} <= set(options)
 
 
 def test_perplexity_scores_the_second_half_of_each_chunk_like_llama_perplexity() -> None:

@@ -47,6 +47,24 @@ def kernel():
     return module
 
 
+# The kernel as this CPU builds it, and built again without AVX-512 and without AVX2, so that each of the int8
+# path's tiles is checked on a CPU that has AVX-512 (the 512-bit tile for Q4_0, Q4_1 and Q8_0 needs AVX-512 BW
+# and VNNI; the others and older CPUs take the 256-bit one; no AVX2: the plain loop).
+KERNEL_VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2",)}
+
+
+@pytest.fixture(scope="module", params=list(KERNEL_VARIANTS))
+def int8_kernel(request):
+    if request.param == "native":
+        module = quant_gemm_kernel()
+    else:
+        module = build.load_extension(f"quant_gemm_{request.param}", (build.CSRC / "quant_gemm.cpp",),
+                                      KERNEL_VARIANTS[request.param])
+    if module is None:
+        pytest.skip(f"the quant_gemm kernel ({request.param}) does not build here; the torch path serves")
+    return module
+
+
 def quantized(fmt: BlockFormat, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(blocks, the gguf package's dequantization of them) of a random [n, k] weight with per-row scales."""
     rng = np.random.default_rng(seed)
@@ -91,11 +109,11 @@ def test_dequantize_equals_the_gguf_package(fmt, shape) -> None:
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_is_within_the_activation_rounding_of_the_float_product(kernel, fmt, m, n, k, bias) -> None:
+def test_kernel_is_within_the_activation_rounding_of_the_float_product(int8_kernel, fmt, m, n, k, bias) -> None:
     blocks, w = quantized(fmt, n, k, seed=m * 7 + n)
     x = activations(m, k, seed=n + k)
     b = torch.randn(n) if bias else None
-    out = run_kernel(kernel, x, blocks, fmt, b)
+    out = run_kernel(int8_kernel, x, blocks, fmt, b)
     exact = x.double() @ torch.from_numpy(w).T + (0 if b is None else b.double())
     error = (out.double() - exact).abs()
     bound = error_bound(x, w) + (0 if b is None else exact.abs() * 2 ** -23)
@@ -103,14 +121,14 @@ def test_kernel_is_within_the_activation_rounding_of_the_float_product(kernel, f
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_activations_round_to_nearest(kernel, fmt) -> None:
+def test_activations_round_to_nearest(int8_kernel, fmt) -> None:
     """The bound above is a worst case; the typical error is sharper. Rounding the remainder to nearest leaves
     each value off by a uniform error in [-u/2, u/2], u = e / 256 (variance u^2 / 12), independent across
     values, so an output's error has standard deviation sigma = sqrt(sum u_b^2 / 12 * sum w_i^2); over
     2 x 2048 outputs the RMS of error / sigma is 1 within a few percent. Truncating would make it about 2."""
     blocks, w = quantized(fmt, 2048, 576, seed=11)
     x = activations(2, 576, seed=12)
-    error = run_kernel(kernel, x, blocks, fmt).double() - x.double() @ torch.from_numpy(w).T
+    error = run_kernel(int8_kernel, x, blocks, fmt).double() - x.double() @ torch.from_numpy(w).T
     e = x.double().view(2, -1, 32).abs().amax(-1) / 127 / 256
     sigma = ((e ** 2 / 12) @ (torch.from_numpy(w) ** 2).view(2048, -1, 32).sum(-1).T).sqrt()
     rms = float((error / sigma).pow(2).mean().sqrt())
@@ -119,17 +137,17 @@ def test_activations_round_to_nearest(kernel, fmt) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", [(1, 33, 96), (3, 517, 576), (17, 13, 64)])
-def test_bfloat16_activations_round_the_result_once(kernel, fmt, m, n, k) -> None:
+def test_bfloat16_activations_round_the_result_once(int8_kernel, fmt, m, n, k) -> None:
     blocks, w = quantized(fmt, n, k, seed=m + n)
     x = activations(m, k, seed=k).bfloat16()
-    out = run_kernel(kernel, x, blocks, fmt)
+    out = run_kernel(int8_kernel, x, blocks, fmt)
     exact = x.double() @ torch.from_numpy(w).T
     bound = error_bound(x.float(), w)
     assert ((out.double() - exact).abs() <= bound + (exact.abs() + bound) * 2 ** -8).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_large_weight_split_over_threads_gives_the_same_bits(kernel, threads) -> None:
+def test_a_large_weight_split_over_threads_gives_the_same_bits(int8_kernel, threads) -> None:
     """Rows of W are split over torch's threads in 4-row tiles; each output is computed the same way
     whoever computes it, and written once (NaN-filled out). 8191 rows leave a tail for the last task."""
     blocks, _ = quantized(BlockFormat.Q4_1, 8191, 576, seed=1)
@@ -137,9 +155,9 @@ def test_a_large_weight_split_over_threads_gives_the_same_bits(kernel, threads) 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run_kernel(kernel, x, blocks, BlockFormat.Q4_1)
+        single = run_kernel(int8_kernel, x, blocks, BlockFormat.Q4_1)
         torch.set_num_threads(threads)
-        assert torch.equal(run_kernel(kernel, x, blocks, BlockFormat.Q4_1), single)
+        assert torch.equal(run_kernel(int8_kernel, x, blocks, BlockFormat.Q4_1), single)
     finally:
         torch.set_num_threads(before)
 
@@ -180,7 +198,7 @@ def test_the_tiled_path_equals_the_float_product(monkeypatch, fmt, m, n, k, dequ
 
 # quant_matmul as built for this CPU, and built again without AVX-512 (the float path in 8-lane vectors, bfloat16 x
 # widened to float32) and without AVX2 (the plain loop).
-MATMUL_VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2",)}
+MATMUL_VARIANTS = KERNEL_VARIANTS
 
 
 @pytest.fixture(scope="module", params=list(MATMUL_VARIANTS))

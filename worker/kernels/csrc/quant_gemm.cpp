@@ -202,10 +202,123 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 }
 #endif
 
+#if defined(REDSERVE_QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define REDSERVE_QUANT_ZMM 1
+// ---- AVX-512: two blocks a vector (Q4_0, Q4_1, Q8_0) -------------------------------------------------------
+//
+// The 256-bit tile above spends ~17 instructions on a block of a row of W (its nibbles unpacked, its fp16 scale
+// and min converted and broadcast one by one, two sums, a conversion and an FMA), and at one row of x that, not
+// the memory, sets the pace. Here a 512-bit vector holds two blocks' codes, [b's low nibbles, b + 1's, b's high
+// nibbles, b + 1's] (two 16-byte loads, a shift, a mask), against x's blocks in that order
+// (`QuantizedRows::pair_blocks`); the scales and mins of 16 blocks come in one 32-bit gather (a block's first four
+// bytes: d, and Q4_1's m; Q4_0's min is -8 d), are multiplied by x's scales once, and each pair of blocks takes
+// its two with one permute. Per pair of blocks and row of W: two vpdpbusd (x's int8 and its remainder, as
+// above), a conversion, a permute, an FMA; the mins m * s go into the same accumulator, once per 16 blocks. W's
+// rows are prefetched two tiles ahead. The sums are the 256-bit tile's, exact; only the float32 summation order
+// differs. An odd last block goes through the 256-bit path. Q8_0: its two blocks' 64 signed codes in their own
+// order against x's natural order, as |w| and x with w's sign (AVX-512 has no vpsignb: x negated under the mask
+// of w's sign bits), so the sums stay exact.
+template <Format F>
+constexpr bool kTwoBlocksAVector = F == Format::kQ4_0 || F == Format::kQ4_1 || F == Format::kQ8_0;
+template <Format F>
+constexpr bool kPairedCodes = F == Format::kQ4_0 || F == Format::kQ4_1;  // x in `pair_blocks` order
+
+template <Format F, int ROWS, int XS>
+inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
+  constexpr int64_t kBytes = bytes_of<F>(), kNibbles = nibbles_at<F>();
+  const int64_t paired = x.blocks & ~int64_t{1};
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i pair_lanes = kPairedCodes<F> ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(static_cast<int>(kBytes)));
+  __m512 acc[XS][ROWS];
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < paired; b0 += 16) {
+    const int64_t n = std::min<int64_t>(16, paired - b0);
+    const auto live = static_cast<__mmask16>((1u << n) - 1u);
+    __m512 scale[XS][ROWS];  // d * x's e for each of the 16 blocks
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets,
+                                                      w + r * row_bytes + b0 * kBytes, 1);
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      for (int j = 0; j < XS; ++j) scale[j][r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, x.scales(x0 + j, b0)));
+      if constexpr (F != Format::kQ8_0) {
+        const __m512 m = F == Format::kQ4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)))
+                                            : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+        for (int j = 0; j < XS; ++j)
+          acc[j][r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, x.sums(x0 + j, b0)), acc[j][r]);
+      }
+    }
+    for (int64_t g = 0; g < n; g += 2) {
+      const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(static_cast<int>(g)));
+      __m512i xq[XS], xr[XS];
+      for (int j = 0; j < XS; ++j) {
+        xq[j] = _mm512_loadu_si512(kPairedCodes<F> ? x.qpair(x0 + j, b0 + g) : x.qrow(x0 + j, b0 + g));
+        xr[j] = _mm512_loadu_si512(kPairedCodes<F> ? x.rest_pair(x0 + j, b0 + g) : x.rest_row(x0 + j, b0 + g));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const uint8_t* p = w + r * row_bytes + (b0 + g) * kBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p + 2 * ROWS * row_bytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + 2 * ROWS * row_bytes + 2 * kBytes - 1), _MM_HINT_T0);
+        __m512i codes;
+        __mmask64 negative = 0;
+        if constexpr (F == Format::kQ8_0) {
+          const __m512i q = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kBytes + 2)), 1);
+          negative = _mm512_movepi8_mask(q);
+          codes = _mm512_abs_epi8(q);
+        } else {
+          const __m256i v = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbles))),
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kBytes + kNibbles)), 1);
+          codes = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+        }
+        for (int j = 0; j < XS; ++j) {
+          __m512i q = xq[j], rest = xr[j];
+          if constexpr (F == Format::kQ8_0) {
+            q = _mm512_mask_sub_epi8(q, negative, _mm512_setzero_si512(), q);
+            rest = _mm512_mask_sub_epi8(rest, negative, _mm512_setzero_si512(), rest);
+          }
+          __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, q);
+          sum = _mm512_dpbusd_epi32(_mm512_slli_epi32(sum, 8), codes, rest);
+          acc[j][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(lanes, scale[j][r]), acc[j][r]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < XS; ++j)
+    for (int r = 0; r < ROWS; ++r) out[j * ROWS + r] = _mm512_reduce_add_ps(acc[j][r]);
+  if (paired < x.blocks) {  // the odd last block, by the 256-bit path
+    using Block = typename BlockOf<F>::type;
+    for (int r = 0; r < ROWS; ++r) {
+      const Block blk(w + r * row_bytes + paired * kBytes);
+      for (int j = 0; j < XS; ++j) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qrow(x0 + j, paired)));
+        const __m256i xr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.rest_row(x0 + j, paired)));
+        const float sum = hsum(_mm256_cvtepi32_ps(blk.dot2(xq, xr)));
+        out[j * ROWS + r] += blk.d * x.scale(x0 + j, paired) * sum + blk.m * x.sum(x0 + j, paired);
+      }
+    }
+  }
+}
+#else
+template <Format F>
+constexpr bool kTwoBlocksAVector = false;
+#endif
+
 template <Format F>
 struct Tile {
+#if defined(REDSERVE_QUANT_ZMM)
+  static constexpr bool kPairedX = kPairedCodes<F>;
+#endif
   template <int ROWS, int XS>
   static void dot(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
+#if defined(REDSERVE_QUANT_ZMM)
+    if constexpr (kTwoBlocksAVector<F>) return dot_tile_zmm<F, ROWS, XS>(out, w, row_bytes, x, x0);
+#endif
     dot_tile<F, ROWS, XS>(out, w, row_bytes, x, x0);
   }
 };

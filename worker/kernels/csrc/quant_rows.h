@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace redserve_quant {
@@ -50,12 +51,16 @@ template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
 // The rows of x as int8 blocks: q and the remainder's q' [M, K], e / 256 and s [M, K / 32], s16 [M, K / 16].
+// `pair_blocks` adds q and q' with each pair of blocks (b, b + 1; b even) reordered as [b's values 0..15, b + 1's
+// 0..15, b's 16..31, b + 1's 16..31]: the order of two 4-bit blocks' codes in one 512-bit vector (quant_gemm.cpp).
 struct QuantizedRows {
-  std::vector<int8_t> q, rest;
+  std::vector<int8_t> q, rest, q_paired, rest_paired;
   std::vector<float> e, s, s16;
   int64_t k = 0, blocks = 0;
   const int8_t* qrow(int64_t row, int64_t b) const { return q.data() + row * k + b * kBlock; }
   const int8_t* rest_row(int64_t row, int64_t b) const { return rest.data() + row * k + b * kBlock; }
+  const int8_t* qpair(int64_t row, int64_t b) const { return q_paired.data() + row * k + b * kBlock; }
+  const int8_t* rest_pair(int64_t row, int64_t b) const { return rest_paired.data() + row * k + b * kBlock; }
   float scale(int64_t row, int64_t b) const { return e[row * blocks + b]; }
   float sum(int64_t row, int64_t b) const { return s[row * blocks + b]; }
   const float* scales(int64_t row, int64_t b) const { return e.data() + row * blocks + b; }
@@ -96,6 +101,29 @@ void quantize_rows(QuantizedRows& out, const T* x, int64_t m, int64_t k) {
     }
   });
 }
+
+// q_paired and rest_paired from q and rest (an odd last block is left out: read it from q and rest).
+inline void pair_blocks(QuantizedRows& x, int64_t m) {
+  x.q_paired.resize(x.q.size());
+  x.rest_paired.resize(x.rest.size());
+  constexpr int64_t kHalf = kBlock / 2;
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t b = 0; b + 1 < x.blocks; b += 2) {
+      const int64_t at = row * x.k + b * kBlock;
+      for (int64_t part = 0; part < 4; ++part) {  // b low, b + 1 low, b high, b + 1 high
+        const int64_t from = at + (part & 1) * kBlock + (part >> 1) * kHalf;
+        std::memcpy(x.q_paired.data() + at + part * kHalf, x.q.data() + from, kHalf);
+        std::memcpy(x.rest_paired.data() + at + part * kHalf, x.rest.data() + from, kHalf);
+      }
+    }
+  }
+}
+
+// Whether a `Tile` (below) reads x's paired blocks: its `kPairedX` where it declares one.
+template <class Tile, class = void>
+struct reads_paired_x : std::false_type {};
+template <class Tile>
+struct reads_paired_x<Tile, std::void_t<decltype(Tile::kPairedX)>> : std::bool_constant<Tile::kPairedX> {};
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Sums of u8 x s8 products, 4 a lane, as 8 int32 lanes: AVX-512 VNNI / AVX-VNNI vpdpbusd (no saturation),
@@ -180,6 +208,7 @@ void run_rows(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& b
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
   QuantizedRows xq;
   quantize_rows(xq, x.data_ptr<T>(), m, k);
+  if constexpr (reads_paired_x<Tile>::value) pair_blocks(xq, m);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
   const int64_t tiles = (n + kRowsPerTile - 1) / kRowsPerTile;
