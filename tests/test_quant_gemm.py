@@ -47,14 +47,15 @@ def kernel():
     return module
 
 
-# The kernel as this CPU builds it, and built again without AVX-512 and without AVX2, so that each of the int8
-# path's tiles is checked on a CPU that has AVX-512 (the 512-bit tile for Q4_0, Q4_1 and Q8_0 needs AVX-512 BW
-# and VNNI; the others and older CPUs take the 256-bit one; no AVX2: the plain loop).
+# The kernel as this CPU builds it, and built again without AVX-512 and without AVX2, so that each path is checked
+# on a CPU that has AVX-512: the int8 path's 512-bit tile (Q4_0, Q4_1 and Q8_0 with AVX-512 BW and VNNI), its
+# 256-bit one (the others, and older CPUs) and the plain loop; quant_matmul's float path in 8-lane vectors (bfloat16
+# x widened to float32) and its plain loop.
 KERNEL_VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2",)}
 
 
 @pytest.fixture(scope="module", params=list(KERNEL_VARIANTS))
-def int8_kernel(request):
+def variant_kernel(request):
     if request.param == "native":
         module = quant_gemm_kernel()
     else:
@@ -109,11 +110,11 @@ def test_dequantize_equals_the_gguf_package(fmt, shape) -> None:
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_is_within_the_activation_rounding_of_the_float_product(int8_kernel, fmt, m, n, k, bias) -> None:
+def test_kernel_is_within_the_activation_rounding_of_the_float_product(variant_kernel, fmt, m, n, k, bias) -> None:
     blocks, w = quantized(fmt, n, k, seed=m * 7 + n)
     x = activations(m, k, seed=n + k)
     b = torch.randn(n) if bias else None
-    out = run_kernel(int8_kernel, x, blocks, fmt, b)
+    out = run_kernel(variant_kernel, x, blocks, fmt, b)
     exact = x.double() @ torch.from_numpy(w).T + (0 if b is None else b.double())
     error = (out.double() - exact).abs()
     bound = error_bound(x, w) + (0 if b is None else exact.abs() * 2 ** -23)
@@ -121,14 +122,14 @@ def test_kernel_is_within_the_activation_rounding_of_the_float_product(int8_kern
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_activations_round_to_nearest(int8_kernel, fmt) -> None:
+def test_activations_round_to_nearest(variant_kernel, fmt) -> None:
     """The bound above is a worst case; the typical error is sharper. Rounding the remainder to nearest leaves
     each value off by a uniform error in [-u/2, u/2], u = e / 256 (variance u^2 / 12), independent across
     values, so an output's error has standard deviation sigma = sqrt(sum u_b^2 / 12 * sum w_i^2); over
     2 x 2048 outputs the RMS of error / sigma is 1 within a few percent. Truncating would make it about 2."""
     blocks, w = quantized(fmt, 2048, 576, seed=11)
     x = activations(2, 576, seed=12)
-    error = run_kernel(int8_kernel, x, blocks, fmt).double() - x.double() @ torch.from_numpy(w).T
+    error = run_kernel(variant_kernel, x, blocks, fmt).double() - x.double() @ torch.from_numpy(w).T
     e = x.double().view(2, -1, 32).abs().amax(-1) / 127 / 256
     sigma = ((e ** 2 / 12) @ (torch.from_numpy(w) ** 2).view(2048, -1, 32).sum(-1).T).sqrt()
     rms = float((error / sigma).pow(2).mean().sqrt())
@@ -137,17 +138,17 @@ def test_activations_round_to_nearest(int8_kernel, fmt) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", [(1, 33, 96), (3, 517, 576), (17, 13, 64)])
-def test_bfloat16_activations_round_the_result_once(int8_kernel, fmt, m, n, k) -> None:
+def test_bfloat16_activations_round_the_result_once(variant_kernel, fmt, m, n, k) -> None:
     blocks, w = quantized(fmt, n, k, seed=m + n)
     x = activations(m, k, seed=k).bfloat16()
-    out = run_kernel(int8_kernel, x, blocks, fmt)
+    out = run_kernel(variant_kernel, x, blocks, fmt)
     exact = x.double() @ torch.from_numpy(w).T
     bound = error_bound(x.float(), w)
     assert ((out.double() - exact).abs() <= bound + (exact.abs() + bound) * 2 ** -8).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_large_weight_split_over_threads_gives_the_same_bits(int8_kernel, threads) -> None:
+def test_a_large_weight_split_over_threads_gives_the_same_bits(variant_kernel, threads) -> None:
     """Rows of W are split over torch's threads in 4-row tiles; each output is computed the same way
     whoever computes it, and written once (NaN-filled out). 8191 rows leave a tail for the last task."""
     blocks, _ = quantized(BlockFormat.Q4_1, 8191, 576, seed=1)
@@ -155,9 +156,9 @@ def test_a_large_weight_split_over_threads_gives_the_same_bits(int8_kernel, thre
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run_kernel(int8_kernel, x, blocks, BlockFormat.Q4_1)
+        single = run_kernel(variant_kernel, x, blocks, BlockFormat.Q4_1)
         torch.set_num_threads(threads)
-        assert torch.equal(run_kernel(int8_kernel, x, blocks, BlockFormat.Q4_1), single)
+        assert torch.equal(run_kernel(variant_kernel, x, blocks, BlockFormat.Q4_1), single)
     finally:
         torch.set_num_threads(before)
 
@@ -196,23 +197,6 @@ def test_the_tiled_path_equals_the_float_product(monkeypatch, fmt, m, n, k, dequ
     torch.testing.assert_close(tiled_linear(x, weight_of(fmt, blocks, k), b).double(), exact, rtol=1e-5, atol=1e-4)
 
 
-# quant_matmul as built for this CPU, and built again without AVX-512 (the float path in 8-lane vectors, bfloat16 x
-# widened to float32) and without AVX2 (the plain loop).
-MATMUL_VARIANTS = KERNEL_VARIANTS
-
-
-@pytest.fixture(scope="module", params=list(MATMUL_VARIANTS))
-def matmul_kernel(request):
-    if request.param == "native":
-        module = quant_gemm_kernel()
-    else:
-        module = build.load_extension(f"quant_gemm_{request.param}", (build.CSRC / "quant_gemm.cpp",),
-                                      MATMUL_VARIANTS[request.param])
-    if module is None:
-        pytest.skip(f"the quant_gemm kernel ({request.param}) does not build here; the torch path serves")
-    return module
-
-
 MATMUL_SHAPES = [(13, 13, 32), (17, 67, 96), (33, 130, 576), (40, 64, 1536), (64, 200, 576), (100, 7, 96)]
 
 
@@ -236,14 +220,14 @@ def run_matmul(kernel, x: torch.Tensor, blocks: np.ndarray, fmt: BlockFormat, bi
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", MATMUL_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_many_rows_multiply_to_float_rounding(matmul_kernel, fmt, m, n, k, dtype) -> None:
+def test_many_rows_multiply_to_float_rounding(variant_kernel, fmt, m, n, k, dtype) -> None:
     """``quant_matmul`` (the weights decoded once a call) has no activation rounding: bfloat16 x is multiplied
     as it is (the bf16 dot products' products are exact), float32 x in float32. Odd shapes leave a partial
     tile of rows, of columns and of a column block."""
     blocks, w = quantized(fmt, n, k, seed=m + n)
     x = activations(m, k, seed=k + m).to(dtype)
     b = torch.randn(n).to(dtype)
-    out = run_matmul(matmul_kernel, x, blocks, fmt, b)
+    out = run_matmul(variant_kernel, x, blocks, fmt, b)
     exact = x.double() @ torch.from_numpy(w).T + b.double()
     bound = matmul_bound(x.float(), w)
     if dtype == torch.bfloat16:
@@ -253,7 +237,7 @@ def test_many_rows_multiply_to_float_rounding(matmul_kernel, fmt, m, n, k, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_many_rows_split_over_threads_give_the_same_bits(matmul_kernel, dtype) -> None:
+def test_many_rows_split_over_threads_give_the_same_bits(variant_kernel, dtype) -> None:
     """Column blocks of 64 are split over torch's threads; 1000 columns leave a partial block and 70 rows a
     partial tile of rows."""
     blocks, _ = quantized(BlockFormat.Q4_1, 1000, 576, seed=21)
@@ -261,9 +245,9 @@ def test_many_rows_split_over_threads_give_the_same_bits(matmul_kernel, dtype) -
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = run_matmul(matmul_kernel, x, blocks, BlockFormat.Q4_1)
+        single = run_matmul(variant_kernel, x, blocks, BlockFormat.Q4_1)
         torch.set_num_threads(3)
-        assert torch.equal(run_matmul(matmul_kernel, x, blocks, BlockFormat.Q4_1), single)
+        assert torch.equal(run_matmul(variant_kernel, x, blocks, BlockFormat.Q4_1), single)
     finally:
         torch.set_num_threads(before)
 
