@@ -1,8 +1,9 @@
-"""The few-row int8 path of the GGUF block kernel (worker/kernels/csrc/quant_gemm.cpp), this tree against another
-revision's, on every weight of a SmolLM2-shaped model once (a decode step's matmuls at 1 to 8 rows).
+"""The GGUF block kernel (worker/kernels/csrc/quant_gemm.cpp), this tree against another revision's, on every
+weight of a SmolLM2-shaped model once: the few-row int8 path (`quant_linear`, a decode step's matmuls at 1 to 8
+rows) or, with ``--op quant_matmul``, the many-row one (a batch's decode step or a prefill chunk).
 
     python benchmarks/bench_quant_kernel.py [--rev HEAD~1] [--formats Q4_1,Q4_0,Q8_0] [--rows 1,2,4,8]
-                                            [--threads 1,2] [--repeats 5]
+                                            [--threads 1,2] [--repeats 5] [--op quant_linear|quant_matmul]
 
 Why: the served figures drift by more than a kernel change on a small VM, so the two kernels are timed here in one
 process, alternating, best of ``--repeats``. The other revision's ``quant_gemm.cpp`` and headers are read with
@@ -30,7 +31,7 @@ from worker.kernels import build  # noqa: E402
 from worker.layers.quantized_linear import BlockFormat, quant_gemm_kernel  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-SOURCES = ("quant_gemm.cpp", "quant_rows.h", "q8_matmul.h")
+SOURCES = ("quant_gemm.cpp", "quant_rows.h", "q8_matmul.h", "amx_tiles.h")
 
 
 def kernel_at(rev: str, folder: Path):
@@ -55,12 +56,13 @@ def weights(fmt: BlockFormat) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
-def best_of(kernel, ws, xs, outs, fmt: BlockFormat, repeats: int) -> float:
+def best_of(kernel, op: str, ws, xs, outs, fmt: BlockFormat, repeats: int) -> float:
     best = float("inf")
+    multiply = getattr(kernel, op)
     for _ in range(repeats):
         start = time.perf_counter()
         for (blocks, k), out in zip(ws, outs, strict=True):
-            kernel.quant_linear(out, xs[k], blocks, int(fmt), None)
+            multiply(out, xs[k], blocks, int(fmt), None)
         best = min(best, time.perf_counter() - start)
     return best * 1e3
 
@@ -73,6 +75,8 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--op", default="quant_linear", choices=["quant_linear", "quant_matmul"],
+                   help="the few-row int8 path or the many-row one")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,14 +90,14 @@ def main() -> None:
             outs = [torch.empty(rows, b.shape[0], dtype=dtype) for b, _ in ws]
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
-                then = best_of(other, ws, xs, outs, fmt, args.repeats)
-                now = best_of(this, ws, xs, outs, fmt, args.repeats)
-                a, b = torch.empty_like(outs[2], dtype=torch.float32), torch.empty_like(outs[2], dtype=torch.float32)
-                x = xs[576].float()
-                other.quant_linear(a, x, ws[2][0], int(fmt), None)
-                this.quant_linear(b, x, ws[2][0], int(fmt), None)
-                print(f"{fmt.name} rows={rows} threads={threads}: {args.rev} {then:.2f} ms, this tree {now:.2f} ms "
-                      f"({then / now:.2f}x), max |diff| {float((a - b).abs().max()):.1e}", flush=True)
+                then = best_of(other, args.op, ws, xs, outs, fmt, args.repeats)
+                now = best_of(this, args.op, ws, xs, outs, fmt, args.repeats)
+                a, b = torch.empty_like(outs[2]), torch.empty_like(outs[2])
+                getattr(other, args.op)(a, xs[576], ws[2][0], int(fmt), None)
+                getattr(this, args.op)(b, xs[576], ws[2][0], int(fmt), None)
+                diff = (a.float() - b.float()).abs().max() / b.float().abs().max()
+                print(f"{fmt.name} {args.op} rows={rows} threads={threads}: {args.rev} {then:.2f} ms, this tree "
+                      f"{now:.2f} ms ({then / now:.2f}x), max |diff| / max |y| {float(diff):.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from worker.dtype_choice import cpu_flags
 from worker.kernels import build
 from worker.layers import quantized_linear
 from worker.layers.quantized_linear import (
@@ -50,8 +51,11 @@ def kernel():
 # The kernel as this CPU builds it, and built again without AVX-512 and without AVX2, so that each path is checked
 # on a CPU that has AVX-512: the int8 path's 512-bit tile (Q4_0, Q4_1 and Q8_0 with AVX-512 BW and VNNI), its
 # 256-bit one (the others, and older CPUs) and the plain loop; quant_matmul's float path in 8-lane vectors (bfloat16
-# x widened to float32) and its plain loop.
+# x widened to float32) and its plain loop. On a CPU with AMX the native build multiplies bfloat16 rows on its
+# tiles, so a build without them keeps the vdpbf16ps path checked too.
 KERNEL_VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2",)}
+if "amx_tile" in cpu_flags():
+    KERNEL_VARIANTS["noamx"] = ("-mno-amx-tile",)
 
 
 @pytest.fixture(scope="module", params=list(KERNEL_VARIANTS))
@@ -230,6 +234,8 @@ def test_many_rows_multiply_to_float_rounding(variant_kernel, fmt, m, n, k, dtyp
     out = run_matmul(variant_kernel, x, blocks, fmt, b)
     exact = x.double() @ torch.from_numpy(w).T + b.double()
     bound = matmul_bound(x.float(), w)
+    if dtype == torch.bfloat16 and variant_kernel.amx_matmul():  # AMX: each weight rounded to bfloat16 first
+        bound = bound + 2 ** -8 * (x.double().abs() @ torch.from_numpy(w).abs().T)
     if dtype == torch.bfloat16:
         bound = bound + (exact.abs() + bound) * 2 ** -8  # the result rounded once to bfloat16
     error = (out.double() - exact).abs()

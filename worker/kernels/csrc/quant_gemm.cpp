@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "q8_matmul.h"
 #include "quant_rows.h"
 
@@ -712,6 +713,135 @@ void bf16_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks
 }
 #endif
 
+#if defined(REDSERVE_QUANT_BF16) && defined(REDSERVE_AMX_BF16)
+#define REDSERVE_QUANT_AMX 1
+// ---- many bfloat16 rows on AMX tiles (amx_tiles.h) ----------------------------------------------------------
+//
+// W's column block is dequantized to bfloat16 rows (d q + m to float32 as `dequantize_block`, then rounded once
+// to the nearest bfloat16: what a dequantized bfloat16 model multiplies by) and the tiles compute W x^T: W's rows
+// as A (natural layout, 32 weights of a block a tile row), x packed once a call as B (pairs of k for 16 rows of x a
+// tile row, `pack_pairs`). A micro-tile is 32 columns of W by 32 rows of x: four float32 accumulator tiles, two
+// loads of W and two of x per block of 32 k. The accumulators go through a small buffer to out, transposed, with
+// the bias. Each output is one thread's sum in one k order, so the bits do not depend on the thread count.
+
+// x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
+inline std::vector<uint32_t> pack_pairs(const at::BFloat16* x, int64_t m, int64_t k, int64_t tiles) {
+  constexpr int64_t R = redserve_amx::kRows;
+  std::vector<uint32_t> xp(tiles * (k / 2) * R, 0u);
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t r = t * R; r < std::min(m, (t + 1) * R); ++r)
+        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(&xp[(t * (k / 2) + p) * R + r % R], x + r * k + 2 * p, 4);
+  });
+  return xp;
+}
+
+// Tiles: 0 = (W rows 0-15, x tile 0), 1 = (0-15, x tile 1), 2 = (16-31, 0), 3 = (16-31, 1); 4, 5 W; 6, 7 x.
+template <int XT>
+inline void amx_micro_tile(float* c, const uint16_t* w, int64_t k, const uint32_t* x0, const uint32_t* x1) {
+  constexpr int64_t R = redserve_amx::kRows, B = redserve_amx::kPairBytes;
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (XT == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const int64_t stride = k * 2;
+  for (int64_t kb = 0; kb < k / kBlock; ++kb) {
+    _tile_loadd(4, w + kb * kBlock, stride);
+    _tile_loadd(5, w + R * k + kb * kBlock, stride);
+    _tile_loadd(6, x0 + kb * (kBlock / 2) * R, B);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (XT == 2) {
+      _tile_loadd(7, x1 + kb * (kBlock / 2) * R, B);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, B);
+  _tile_stored(2, c + 2 * R * R, B);
+  if constexpr (XT == 2) {
+    _tile_stored(1, c + R * R, B);
+    _tile_stored(3, c + 3 * R * R, B);
+  }
+}
+
+// One block's 32 weights as bfloat16: `dequantize_block`'s float32 values (the same multiply or FMA) rounded to
+// the nearest bfloat16, 16 at a time (Q5_0 through `dequantize_block`).
+template <Format F>
+inline void dequantize_block_bf16(uint16_t* out, const uint8_t* p) {
+  __m512 lo, hi;
+  const __m512 d = _mm512_set1_ps(half_to_float(p));
+  if constexpr (F == Format::kQ8_0) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
+  } else if constexpr (F == Format::kQ5_0) {
+    alignas(64) float w[kBlock];
+    dequantize_block<F>(w, p);
+    lo = _mm512_load_ps(w);
+    hi = _mm512_load_ps(w + 16);
+  } else {  // a nibble byte j: weight j in its low half, j + 16 in its high half
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + nibbles_at<F>())));
+    const __m512 m = _mm512_set1_ps(block_min<F>(p, half_to_float(p)));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+  }
+  _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+template <Format F>
+void amx_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
+                int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
+  constexpr int64_t R = redserve_amx::kRows, kMicroCols = 2 * R;
+  constexpr int64_t kBytes = bytes_of<F>();
+  const int64_t nb = k / kBlock, tiles = (m + R - 1) / R;
+  const std::vector<uint32_t> xp = pack_pairs(x, m, k, tiles);
+  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
+  at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
+    std::vector<uint16_t> w(kColsPerBlock * k);
+    alignas(64) float c[4 * R * R];
+    redserve_amx::configure();
+    for (int64_t cb = first; cb < last; ++cb) {
+      const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
+      const int64_t padded = (cols + kMicroCols - 1) / kMicroCols * kMicroCols;
+      for (int64_t col = 0; col < cols; ++col) {
+        const uint8_t* p = blocks + (c0 + col) * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) dequantize_block_bf16<F>(w.data() + col * k + b * kBlock, p + b * kBytes);
+      }
+      std::fill(w.begin() + cols * k, w.begin() + padded * k, uint16_t{0});
+      for (int64_t wc = 0; wc < padded; wc += kMicroCols) {
+        for (int64_t t = 0; t < tiles; t += 2) {
+          const int64_t xt = std::min<int64_t>(2, tiles - t);
+          const uint32_t* x0 = xp.data() + t * (k / 2) * R;
+          if (xt == 2) {
+            amx_micro_tile<2>(c, w.data() + wc * k, k, x0, x0 + (k / 2) * R);
+          } else {
+            amx_micro_tile<1>(c, w.data() + wc * k, k, x0, nullptr);
+          }
+          // c[(2 * half + j) * R * R + i * R + r]: W row 16 half + i (a column of out), row 16 (t + j) + r of x
+          for (int64_t half = 0; half < 2; ++half) {
+            for (int64_t i = 0; i < R; ++i) {
+              const int64_t col = c0 + wc + half * R + i;
+              if (col >= c0 + cols) break;
+              const float b = bias ? static_cast<float>(bias[col]) : 0.f;
+              for (int64_t j = 0; j < xt; ++j) {
+                const float* ci = c + (2 * half + j) * R * R + i * R;
+                const int64_t row0 = (t + j) * R;
+                for (int64_t r = 0; r < std::min(R, m - row0); ++r) out[(row0 + r) * n + col] = static_cast<at::BFloat16>(ci[r] + b);
+              }
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 #if defined(REDSERVE_QUANT_Q8_MATMUL)
 // quant_matmul_q8 (q8_matmul.h): one row of W as unsigned byte codes (natural k order) and each block's d and min.
 template <Format F>
@@ -770,6 +900,18 @@ void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Te
   const T* xd = x.data_ptr<T>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
+#if defined(REDSERVE_QUANT_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (redserve_amx::permitted()) {
+      switch (f) {
+        case Format::kQ8_0: return amx_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
+        case Format::kQ4_0: return amx_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
+        case Format::kQ4_1: return amx_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
+        case Format::kQ5_0: return amx_matmul<Format::kQ5_0>(o, xd, w, bias, m, k, n, row_bytes);
+      }
+    }
+  }
+#endif
 #if defined(REDSERVE_QUANT_BF16)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     switch (f) {
@@ -800,6 +942,15 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
   }
 }
 
+// Whether quant_matmul multiplies bfloat16 x on AMX tiles (this build has them and the process may use them).
+bool amx_matmul_used() {
+#if defined(REDSERVE_QUANT_AMX)
+  return redserve_amx::permitted();
+#else
+  return false;
+#endif
+}
+
 bool native_bf16_matmul() {
 #if defined(REDSERVE_QUANT_BF16)
   return true;
@@ -817,6 +968,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul_q8", &quant_matmul_q8,
         "out = x @ dequantize(blocks).T (+ bias) for many rows of x, x rounded to int8 per block (llama.cpp's q8)");
   m.def("q8_matmul", &q8_matmul_built, "whether this build has quant_matmul_q8 (AVX-512 VNNI)");
+  m.def("amx_matmul", &amx_matmul_used,
+        "whether quant_matmul multiplies bfloat16 x on AMX tiles (the weights rounded to bfloat16 first)");
   m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul multiplies bfloat16 x with vdpbf16ps");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 block rows");
 }
