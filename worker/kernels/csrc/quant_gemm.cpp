@@ -803,6 +803,8 @@ void amx_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks,
   at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
     std::vector<uint16_t> w(kColsPerBlock * k);
     alignas(64) float c[4 * R * R];
+    const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(R));  // a tile's column: every 16th float
     redserve_amx::configure();
     for (int64_t cb = first; cb < last; ++cb) {
       const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
@@ -821,16 +823,22 @@ void amx_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks,
           } else {
             amx_micro_tile<1>(c, w.data() + wc * k, k, x0, nullptr);
           }
-          // c[(2 * half + j) * R * R + i * R + r]: W row 16 half + i (a column of out), row 16 (t + j) + r of x
+          // c[(2 * half + j) * R * R + i * R + r]: W row 16 half + i (a column of out), row 16 (t + j) + r of x;
+          // a row of out's 16 columns is a gather down a tile's column, then the bias, one rounding, one store.
           for (int64_t half = 0; half < 2; ++half) {
-            for (int64_t i = 0; i < R; ++i) {
-              const int64_t col = c0 + wc + half * R + i;
-              if (col >= c0 + cols) break;
-              const float b = bias ? static_cast<float>(bias[col]) : 0.f;
-              for (int64_t j = 0; j < xt; ++j) {
-                const float* ci = c + (2 * half + j) * R * R + i * R;
-                const int64_t row0 = (t + j) * R;
-                for (int64_t r = 0; r < std::min(R, m - row0); ++r) out[(row0 + r) * n + col] = static_cast<at::BFloat16>(ci[r] + b);
+            const int64_t col = c0 + wc + half * R;
+            if (col >= c0 + cols) break;
+            const auto live = static_cast<__mmask16>((1u << std::min(R, c0 + cols - col)) - 1u);
+            const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col)), 16))
+                                  : _mm512_setzero_ps();
+            for (int64_t j = 0; j < xt; ++j) {
+              const float* tile = c + (2 * half + j) * R * R;
+              const int64_t row0 = (t + j) * R;
+              for (int64_t r = 0; r < std::min(R, m - row0); ++r) {
+                const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(down, tile + r, 4), b);
+                _mm256_mask_storeu_epi16(out + (row0 + r) * n + col, live,
+                                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
               }
             }
           }
