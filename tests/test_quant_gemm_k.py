@@ -329,3 +329,39 @@ def test_the_layer_takes_q8_for_many_q4_k_rows_and_tiles_for_q6_k(native, monkey
         else:
             want = tiled_linear(x, weight)
         assert torch.equal(quant_linear(x, weight), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("m,n,k", [(17, 13, 256), (33, 130, 768), (64, 67, 1536)])
+def test_many_bfloat16_rows_on_amx_tiles_are_within_the_weights_bfloat16_rounding(native, fmt, m, n, k) -> None:
+    """quant_matmul (AMX only): each weight rounded once to bfloat16 (2^-8 of it), float32 sums (products of two
+    bfloat16 exact), the result rounded once to bfloat16; odd shapes leave partial tiles of rows and columns."""
+    if not native.amx_matmul():
+        pytest.skip("quant_matmul of the k-quants needs AMX tiles")
+    blocks, w = quantized(fmt, n, k, seed=m + n)
+    x = activations(m, k, seed=k + m).bfloat16()
+    b = torch.randn(n).bfloat16()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    native.quant_matmul(out, x, torch.from_numpy(blocks), int(fmt), b)
+    exact = x.double() @ torch.from_numpy(w).T + b.double()
+    sizes = x.double().abs() @ torch.from_numpy(w).abs().T
+    bound = (2 ** -8 + (k + 8) * 3 * 2 ** -24) * sizes
+    bound = bound + (exact.abs() + bound) * 2 ** -8
+    error = (out.double() - exact).abs()
+    assert (error <= bound).all(), f"worst excess {float((error - bound).max())}"
+    with pytest.raises(RuntimeError, match="bfloat16 x only"):
+        native.quant_matmul(torch.empty(m, n), x.float(), torch.from_numpy(blocks), int(fmt), None)
+
+
+def test_the_layer_takes_the_amx_tiles_for_many_bfloat16_rows(native) -> None:
+    x = activations(K_QUANT_KERNEL_MAX_ROWS + 1, 512, seed=3).bfloat16()
+    for fmt in FORMATS:
+        weight = weight_of(fmt, quantized(fmt, 40, 512, seed=4)[0], 512, torch.bfloat16)
+        if native.amx_matmul():
+            want = torch.empty(x.shape[0], 40, dtype=torch.bfloat16)
+            native.quant_matmul(want, x, weight.blocks, int(fmt), None)
+        else:
+            want = tiled_linear(x, weight)
+            with pytest.raises(RuntimeError, match="no AMX tiles"):
+                native.quant_matmul(torch.empty_like(want), x, weight.blocks, int(fmt), None)
+        assert torch.equal(quant_linear(x, weight), want)

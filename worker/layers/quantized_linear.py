@@ -22,8 +22,10 @@ Rules:
   - more rows of Q8_0 (its weights as precise as q8 activations), and of the others by default or without
     VNNI: ``quant_matmul``, the weights decoded once a call and x
     multiplied in its own dtype (bfloat16 with the CPU's bf16 dot products where it has them), to float
-    rounding, at 1.4-1.5x the time of ``quant_matmul_q8`` (below);
-  - more rows of Q6_K (and of Q4_K without VNNI), and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
+    rounding, at 1.4-1.5x the time of ``quant_matmul_q8`` (below). Where the CPU has AMX (the kernel's
+    ``amx_matmul()``), bfloat16 rows go on its tiles, each weight rounded once to bfloat16 first: also for more
+    rows of Q4_K and Q6_K (quant_gemm_k.cpp's ``quant_matmul``, AMX only);
+  - more rows of Q6_K (and of Q4_K without VNNI) without AMX, and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
     ``quant_gemm`` or ``quant_gemm_k``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's
     dtype (by the kernel's ``dequantize_rows`` where it is built, else in torch) and multiplied with
     ``F.linear`` (float rounding only), so no whole float copy of the weight is ever made.
@@ -158,7 +160,8 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tens
     if rows.dtype in _KERNEL_DTYPES and rows.is_cpu and (bias is None or bias.dtype == rows.dtype):
         kernel = k_quants.quant_gemm_k_kernel() if k_quant else quant_gemm_kernel()
     q8 = kernel is not None and Q8_ACTIVATIONS and m > KERNEL_MAX_ROWS and fmt in _Q8_MATMUL_FORMATS and kernel.q8_matmul()
-    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS and not q8):
+    amx = k_quant and kernel is not None and rows.dtype == torch.bfloat16 and kernel.amx_matmul()
+    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS and not q8 and not amx):
         out = tiled_linear(rows, weight, bias)
     else:
         out = torch.empty(m, weight.blocks.shape[0], dtype=rows.dtype)

@@ -9,19 +9,34 @@
 // process and says whether it may; each thread then sets its own tile shapes (`configure`) before its first
 // tile instruction and lets the state go (`_tile_release`) when it is done.
 //
+// `matmul`: out = x W^T (+ bias) for bfloat16 x and out, W given a row at a time as bfloat16 by the caller (the
+// quantized-weight kernels dequantize it: quant_gemm.cpp, quant_gemm_k.cpp). W's rows are decoded 64 at a time
+// into a buffer that stays in L2, and the tiles compute W x^T: W's rows as A (natural layout, 32 weights a tile
+// row), x packed once a call as B (`pack_pairs`: pairs of k for 16 rows of x a tile row). A micro-tile is 32 rows
+// of W by 32 rows of x: four float32 accumulator tiles, two loads of W and two of x per 32 k. Each accumulator
+// tile goes out through a small buffer, a row of out's 16 columns a gather down one of its columns, plus the
+// bias, rounded once. Column blocks split over torch's threads; each output is one thread's sum in one k order,
+// so the bits do not depend on the thread count.
+//
 // Rules: compiled only where the compiler targets AMX-TILE, AMX-BF16 and AVX-512 BF16 (-march=native on such a
-// CPU: REDSERVE_AMX_BF16); the caller checks `permitted()` and keeps another path for when it is false.
+// CPU: REDSERVE_AMX_BF16); the caller checks `permitted()` and keeps another path for when it is false. K is a
+// multiple of 32; x, out contiguous [M, K], [M, N]; bias [N] or null.
 
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define REDSERVE_AMX_BF16 1
 
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace redserve_amx {
 
@@ -53,6 +68,106 @@ inline void configure() {
   }
   asm volatile("" : : "r"(&config) : "memory");  // the stores above are read by ldtilecfg, which GCC cannot see
   _tile_loadconfig(&config);
+}
+
+
+constexpr int64_t kK = 32;             // k a tile row: 32 bfloat16
+constexpr int64_t kColsPerBlock = 64;  // W's rows decoded together (a multiple of the micro-tile's 32)
+constexpr int64_t kMinProductsPerTask = 1 << 16;
+
+// x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
+inline std::vector<uint32_t> pack_pairs(const at::BFloat16* x, int64_t m, int64_t k, int64_t tiles) {
+  std::vector<uint32_t> xp(tiles * (k / 2) * kRows, 0u);
+  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t r = t * kRows; r < std::min(m, (t + 1) * kRows); ++r)
+        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(&xp[(t * (k / 2) + p) * kRows + r % kRows], x + r * k + 2 * p, 4);
+  });
+  return xp;
+}
+
+// Tiles: 0 = (W rows 0-15, x tile 0), 1 = (0-15, x tile 1), 2 = (16-31, 0), 3 = (16-31, 1); 4, 5 W; 6, 7 x.
+template <int XT>
+inline void micro_tile(float* c, const uint16_t* w, int64_t k, const uint32_t* x0, const uint32_t* x1) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (XT == 2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const int64_t stride = k * 2;
+  for (int64_t kb = 0; kb < k / kK; ++kb) {
+    _tile_loadd(4, w + kb * kK, stride);
+    _tile_loadd(5, w + kRows * k + kb * kK, stride);
+    _tile_loadd(6, x0 + kb * (kK / 2) * kRows, kPairBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (XT == 2) {
+      _tile_loadd(7, x1 + kb * (kK / 2) * kRows, kPairBytes);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, kPairBytes);
+  _tile_stored(2, c + 2 * kRows * kRows, kPairBytes);
+  if constexpr (XT == 2) {
+    _tile_stored(1, c + kRows * kRows, kPairBytes);
+    _tile_stored(3, c + 3 * kRows * kRows, kPairBytes);
+  }
+}
+
+// `decode_row(col, w)` writes W's row col (K bfloat16 bits) to w.
+template <class DecodeRow>
+void matmul(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* bias, int64_t m, int64_t k, int64_t n,
+            const DecodeRow& decode_row) {
+  constexpr int64_t R = kRows, kMicroCols = 2 * R;
+  const int64_t tiles = (m + R - 1) / R;
+  const std::vector<uint32_t> xp = pack_pairs(x, m, k, tiles);
+  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
+  const int64_t grain = std::max<int64_t>(1, kMinProductsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
+  at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
+    std::vector<uint16_t> w(kColsPerBlock * k);
+    alignas(64) float c[4 * R * R];
+    const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(R));  // a tile's column: every 16th float
+    configure();
+    for (int64_t cb = first; cb < last; ++cb) {
+      const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
+      const int64_t padded = (cols + kMicroCols - 1) / kMicroCols * kMicroCols;
+      for (int64_t col = 0; col < cols; ++col) decode_row(c0 + col, w.data() + col * k);
+      std::fill(w.begin() + cols * k, w.begin() + padded * k, uint16_t{0});
+      for (int64_t wc = 0; wc < padded; wc += kMicroCols) {
+        for (int64_t t = 0; t < tiles; t += 2) {
+          const int64_t xt = std::min<int64_t>(2, tiles - t);
+          const uint32_t* x0 = xp.data() + t * (k / 2) * R;
+          if (xt == 2) {
+            micro_tile<2>(c, w.data() + wc * k, k, x0, x0 + (k / 2) * R);
+          } else {
+            micro_tile<1>(c, w.data() + wc * k, k, x0, nullptr);
+          }
+          // c[(2 * half + j) * R * R + i * R + r]: W row 16 half + i (a column of out), row 16 (t + j) + r of x
+          for (int64_t half = 0; half < 2; ++half) {
+            const int64_t col = c0 + wc + half * R;
+            if (col >= c0 + cols) break;
+            const auto live = static_cast<__mmask16>((1u << std::min(R, c0 + cols - col)) - 1u);
+            const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col)), 16))
+                                  : _mm512_setzero_ps();
+            for (int64_t j = 0; j < xt; ++j) {
+              const float* tile = c + (2 * half + j) * R * R;
+              const int64_t row0 = (t + j) * R;
+              for (int64_t r = 0; r < std::min(R, m - row0); ++r) {
+                const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(down, tile + r, 4), b);
+                _mm256_mask_storeu_epi16(out + (row0 + r) * n + col, live,
+                                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+              }
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
 }
 
 }  // namespace redserve_amx

@@ -717,55 +717,8 @@ void bf16_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks
 #define REDSERVE_QUANT_AMX 1
 // ---- many bfloat16 rows on AMX tiles (amx_tiles.h) ----------------------------------------------------------
 //
-// W's column block is dequantized to bfloat16 rows (d q + m to float32 as `dequantize_block`, then rounded once
-// to the nearest bfloat16: what a dequantized bfloat16 model multiplies by) and the tiles compute W x^T: W's rows
-// as A (natural layout, 32 weights of a block a tile row), x packed once a call as B (pairs of k for 16 rows of x a
-// tile row, `pack_pairs`). A micro-tile is 32 columns of W by 32 rows of x: four float32 accumulator tiles, two
-// loads of W and two of x per block of 32 k. The accumulators go through a small buffer to out, transposed, with
-// the bias. Each output is one thread's sum in one k order, so the bits do not depend on the thread count.
-
-// x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
-inline std::vector<uint32_t> pack_pairs(const at::BFloat16* x, int64_t m, int64_t k, int64_t tiles) {
-  constexpr int64_t R = redserve_amx::kRows;
-  std::vector<uint32_t> xp(tiles * (k / 2) * R, 0u);
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t)
-      for (int64_t r = t * R; r < std::min(m, (t + 1) * R); ++r)
-        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(&xp[(t * (k / 2) + p) * R + r % R], x + r * k + 2 * p, 4);
-  });
-  return xp;
-}
-
-// Tiles: 0 = (W rows 0-15, x tile 0), 1 = (0-15, x tile 1), 2 = (16-31, 0), 3 = (16-31, 1); 4, 5 W; 6, 7 x.
-template <int XT>
-inline void amx_micro_tile(float* c, const uint16_t* w, int64_t k, const uint32_t* x0, const uint32_t* x1) {
-  constexpr int64_t R = redserve_amx::kRows, B = redserve_amx::kPairBytes;
-  _tile_zero(0);
-  _tile_zero(2);
-  if constexpr (XT == 2) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
-  const int64_t stride = k * 2;
-  for (int64_t kb = 0; kb < k / kBlock; ++kb) {
-    _tile_loadd(4, w + kb * kBlock, stride);
-    _tile_loadd(5, w + R * k + kb * kBlock, stride);
-    _tile_loadd(6, x0 + kb * (kBlock / 2) * R, B);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if constexpr (XT == 2) {
-      _tile_loadd(7, x1 + kb * (kBlock / 2) * R, B);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, c, B);
-  _tile_stored(2, c + 2 * R * R, B);
-  if constexpr (XT == 2) {
-    _tile_stored(1, c + R * R, B);
-    _tile_stored(3, c + 3 * R * R, B);
-  }
-}
+// `redserve_amx::matmul` with W's rows dequantized to bfloat16: d q + m to float32 as `dequantize_block`, then
+// rounded once to the nearest bfloat16 (what a dequantized bfloat16 model multiplies by).
 
 // One block's 32 weights as bfloat16: `dequantize_block`'s float32 values (the same multiply or FMA) rounded to
 // the nearest bfloat16, 16 at a time (Q5_0 through `dequantize_block`).
@@ -794,58 +747,10 @@ inline void dequantize_block_bf16(uint16_t* out, const uint8_t* p) {
 template <Format F>
 void amx_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
                 int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
-  constexpr int64_t R = redserve_amx::kRows, kMicroCols = 2 * R;
   constexpr int64_t kBytes = bytes_of<F>();
-  const int64_t nb = k / kBlock, tiles = (m + R - 1) / R;
-  const std::vector<uint32_t> xp = pack_pairs(x, m, k, tiles);
-  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
-  at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
-    std::vector<uint16_t> w(kColsPerBlock * k);
-    alignas(64) float c[4 * R * R];
-    const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(R));  // a tile's column: every 16th float
-    redserve_amx::configure();
-    for (int64_t cb = first; cb < last; ++cb) {
-      const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
-      const int64_t padded = (cols + kMicroCols - 1) / kMicroCols * kMicroCols;
-      for (int64_t col = 0; col < cols; ++col) {
-        const uint8_t* p = blocks + (c0 + col) * row_bytes;
-        for (int64_t b = 0; b < nb; ++b) dequantize_block_bf16<F>(w.data() + col * k + b * kBlock, p + b * kBytes);
-      }
-      std::fill(w.begin() + cols * k, w.begin() + padded * k, uint16_t{0});
-      for (int64_t wc = 0; wc < padded; wc += kMicroCols) {
-        for (int64_t t = 0; t < tiles; t += 2) {
-          const int64_t xt = std::min<int64_t>(2, tiles - t);
-          const uint32_t* x0 = xp.data() + t * (k / 2) * R;
-          if (xt == 2) {
-            amx_micro_tile<2>(c, w.data() + wc * k, k, x0, x0 + (k / 2) * R);
-          } else {
-            amx_micro_tile<1>(c, w.data() + wc * k, k, x0, nullptr);
-          }
-          // c[(2 * half + j) * R * R + i * R + r]: W row 16 half + i (a column of out), row 16 (t + j) + r of x;
-          // a row of out's 16 columns is a gather down a tile's column, then the bias, one rounding, one store.
-          for (int64_t half = 0; half < 2; ++half) {
-            const int64_t col = c0 + wc + half * R;
-            if (col >= c0 + cols) break;
-            const auto live = static_cast<__mmask16>((1u << std::min(R, c0 + cols - col)) - 1u);
-            const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col)), 16))
-                                  : _mm512_setzero_ps();
-            for (int64_t j = 0; j < xt; ++j) {
-              const float* tile = c + (2 * half + j) * R * R;
-              const int64_t row0 = (t + j) * R;
-              for (int64_t r = 0; r < std::min(R, m - row0); ++r) {
-                const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(down, tile + r, 4), b);
-                _mm256_mask_storeu_epi16(out + (row0 + r) * n + col, live,
-                                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-              }
-            }
-          }
-        }
-      }
-    }
-    _tile_release();
+  redserve_amx::matmul(out, x, bias, m, k, n, [&](int64_t col, uint16_t* w) {
+    const uint8_t* p = blocks + col * row_bytes;
+    for (int64_t b = 0; b < k / kBlock; ++b) dequantize_block_bf16<F>(w + b * kBlock, p + b * kBytes);
   });
 }
 #endif

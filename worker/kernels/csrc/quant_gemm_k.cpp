@@ -47,6 +47,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "q8_matmul.h"
 #include "quant_rows.h"
 
@@ -368,9 +369,53 @@ void quant_matmul_q8(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, i
 #endif
 }
 
+// quant_matmul: many bfloat16 rows on AMX tiles (amx_tiles.h), W's rows dequantized as `dequantize_block` does
+// (float32) and rounded once to bfloat16. Only where the tiles are there: elsewhere the layer takes the
+// dequantized tiles and F.linear (`amx_matmul()` says which).
+bool amx_matmul_used() {
+#if defined(REDSERVE_AMX_BF16)
+  return redserve_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
+                  c10::optional<torch::Tensor> bias) {
+  const Format f = checked_format(ggml_type, "quant_matmul");
+  check_linear_args("quant_matmul", out, x, blocks, kSuper, block_bytes(f), bias);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_matmul: bfloat16 x only (AMX tiles)");
+  TORCH_CHECK(amx_matmul_used(), "quant_matmul: this build or process has no AMX tiles");
+#if defined(REDSERVE_AMX_BF16)
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
+  if (m == 0 || n == 0) return;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const auto decode = [&](int64_t col, uint16_t* row) {
+    alignas(64) float values[kSuper];
+    for (int64_t sb = 0; sb < k / kSuper; ++sb) {
+      const uint8_t* p = w + col * row_bytes + sb * block_bytes(f);
+      if (f == Format::kQ4_K) {
+        dequantize_block<Format::kQ4_K>(values, p);
+      } else {
+        dequantize_block<Format::kQ6_K>(values, p);
+      }
+      for (int64_t i = 0; i < kSuper; i += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(values + i + 16), _mm512_load_ps(values + i));
+        _mm512_storeu_si512(row + sb * kSuper + i, reinterpret_cast<__m512i>(v));
+      }
+    }
+  };
+  redserve_amx::matmul(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(),
+                       bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, m, k, n, decode);
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_matmul", &quant_matmul,
+        "out = x @ dequantize(blocks).T (+ bias) for many bfloat16 rows of x on AMX tiles (weights rounded to bfloat16)");
+  m.def("amx_matmul", &amx_matmul_used, "whether quant_matmul runs here (AMX tiles in this build and process)");
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q4_K / Q6_K blocks");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q4_K / Q6_K block rows");
   m.def("quant_matmul_q8", &quant_matmul_q8,
