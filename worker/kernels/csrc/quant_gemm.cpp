@@ -721,7 +721,7 @@ void bf16_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks
 // rounded once to the nearest bfloat16 (what a dequantized bfloat16 model multiplies by).
 
 // One block's 32 weights as bfloat16: `dequantize_block`'s float32 values (the same multiply or FMA) rounded to
-// the nearest bfloat16, 16 at a time (Q5_0 through `dequantize_block`).
+// the nearest bfloat16, 16 at a time.
 template <Format F>
 inline void dequantize_block_bf16(uint16_t* out, const uint8_t* p) {
   __m512 lo, hi;
@@ -730,16 +730,20 @@ inline void dequantize_block_bf16(uint16_t* out, const uint8_t* p) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d);
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
-  } else if constexpr (F == Format::kQ5_0) {
-    alignas(64) float w[kBlock];
-    dequantize_block<F>(w, p);
-    lo = _mm512_load_ps(w);
-    hi = _mm512_load_ps(w + 16);
-  } else {  // a nibble byte j: weight j in its low half, j + 16 in its high half
+  } else {  // a nibble byte j: weight j in its low half, j + 16 in its high half (Q5_0: bits j, j + 16 of qh on top)
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + nibbles_at<F>())));
+    __m512i qlo = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), qhi = _mm512_srli_epi32(bytes, 4);
+    if constexpr (F == Format::kQ5_0) {
+      const __m512i qh = _mm512_set1_epi32(static_cast<int>(high_bits(p)));
+      const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i bit = _mm512_set1_epi32(1);
+      qlo = _mm512_or_si512(qlo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(qh, lanes), bit), 4));
+      qhi = _mm512_or_si512(qhi, _mm512_slli_epi32(
+                                     _mm512_and_si512(_mm512_srlv_epi32(qh, _mm512_add_epi32(lanes, _mm512_set1_epi32(16))), bit), 4));
+    }
     const __m512 m = _mm512_set1_ps(block_min<F>(p, half_to_float(p)));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F))), d, m);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d, m);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qlo), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qhi), d, m);
   }
   _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
 }
