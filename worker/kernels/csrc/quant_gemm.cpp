@@ -205,24 +205,25 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 
 #if defined(REDSERVE_QUANT_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define REDSERVE_QUANT_ZMM 1
-// ---- AVX-512: two blocks a vector (Q4_0, Q4_1, Q8_0) -------------------------------------------------------
+// ---- AVX-512: two blocks a vector (Q4_0, Q4_1, Q5_0, Q8_0) -------------------------------------------------
 //
 // The 256-bit tile above spends ~17 instructions on a block of a row of W (its nibbles unpacked, its fp16 scale
 // and min converted and broadcast one by one, two sums, a conversion and an FMA), and at one row of x that, not
 // the memory, sets the pace. Here a 512-bit vector holds two blocks' codes, [b's low nibbles, b + 1's, b's high
 // nibbles, b + 1's] (two 16-byte loads, a shift, a mask), against x's blocks in that order
 // (`QuantizedRows::pair_blocks`); the scales and mins of 16 blocks come in one 32-bit gather (a block's first four
-// bytes: d, and Q4_1's m; Q4_0's min is -8 d), are multiplied by x's scales once, and each pair of blocks takes
+// bytes: d, and Q4_1's m; Q4_0's min is -8 d, Q5_0's -16 d), are multiplied by x's scales once, and each pair of blocks takes
 // its two with one permute. Per pair of blocks and row of W: two vpdpbusd (x's int8 and its remainder, as
 // above), a conversion, a permute, an FMA; the mins m * s go into the same accumulator, once per 16 blocks. W's
 // rows are prefetched two tiles ahead. The sums are the 256-bit tile's, exact; only the float32 summation order
 // differs. An odd last block goes through the 256-bit path. Q8_0: its two blocks' 64 signed codes in their own
 // order against x's natural order, as |w| and x with w's sign (AVX-512 has no vpsignb: x negated under the mask
-// of w's sign bits), so the sums stay exact.
+// of w's sign bits), so the sums stay exact. Q5_0: the nibbles as Q4's, plus 16 where the two blocks' qh bits
+// (one 64-bit mask in the codes' order) say so.
 template <Format F>
-constexpr bool kTwoBlocksAVector = F == Format::kQ4_0 || F == Format::kQ4_1 || F == Format::kQ8_0;
+constexpr bool kTwoBlocksAVector = true;  // every 32-weight format
 template <Format F>
-constexpr bool kPairedCodes = F == Format::kQ4_0 || F == Format::kQ4_1;  // x in `pair_blocks` order
+constexpr bool kPairedCodes = F != Format::kQ8_0;  // x in `pair_blocks` order
 
 template <Format F, int ROWS, int XS>
 inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
@@ -247,7 +248,7 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
       for (int j = 0; j < XS; ++j) scale[j][r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, x.scales(x0 + j, b0)));
       if constexpr (F != Format::kQ8_0) {
         const __m512 m = F == Format::kQ4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)))
-                                            : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+                                            : _mm512_mul_ps(d, _mm512_set1_ps(F == Format::kQ5_0 ? -16.f : -8.f));
         for (int j = 0; j < XS; ++j)
           acc[j][r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, x.sums(x0 + j, b0)), acc[j][r]);
       }
@@ -276,6 +277,11 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
               _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbles))),
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kBytes + kNibbles)), 1);
           codes = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+          if constexpr (F == Format::kQ5_0) {  // the fifth bits, in the codes' order: b low, b + 1 low, b high, b + 1 high
+            const uint64_t h0 = high_bits(p), h1 = high_bits(p + kBytes);
+            const __mmask64 fifth = (h0 & 0xFFFF) | (h1 & 0xFFFF) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+            codes = _mm512_mask_add_epi8(codes, fifth, codes, _mm512_set1_epi8(16));
+          }
         }
         for (int j = 0; j < XS; ++j) {
           __m512i q = xq[j], rest = xr[j];
