@@ -18,13 +18,14 @@
 // bias, rounded once. Column blocks split over torch's threads; each output is one thread's sum in one k order,
 // so the bits do not depend on the thread count.
 //
-// Rules: compiled only where the compiler targets AMX-TILE, AMX-BF16 and AVX-512 BF16 (-march=native on such a
+// Rules: compiled only where the compiler targets AMX-TILE, AMX-BF16 and AVX-512 BF16, BW, VL (-march=native on such a
 // CPU: REDSERVE_AMX_BF16); the caller checks `permitted()` and keeps another path for when it is false. K is a
 // multiple of 32; x, out contiguous [M, K], [M, N]; bias [N] or null.
 
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__linux__)
 #define REDSERVE_AMX_BF16 1
 
 #include <ATen/Parallel.h>
