@@ -817,6 +817,17 @@ void quant_matmul_q8(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, i
 #endif
 }
 
+// fn.template operator()<F>() for the format f names (the dispatch of a kernel templated on the format).
+template <class Fn>
+void with_format(Format f, Fn&& fn) {
+  switch (f) {
+    case Format::kQ8_0: return fn.template operator()<Format::kQ8_0>();
+    case Format::kQ4_0: return fn.template operator()<Format::kQ4_0>();
+    case Format::kQ4_1: return fn.template operator()<Format::kQ4_1>();
+    case Format::kQ5_0: return fn.template operator()<Format::kQ5_0>();
+  }
+}
+
 template <typename T>
 void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
@@ -826,31 +837,16 @@ void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Te
 #if defined(REDSERVE_QUANT_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (redserve_amx::permitted()) {
-      switch (f) {
-        case Format::kQ8_0: return amx_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
-        case Format::kQ4_0: return amx_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
-        case Format::kQ4_1: return amx_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
-        case Format::kQ5_0: return amx_matmul<Format::kQ5_0>(o, xd, w, bias, m, k, n, row_bytes);
-      }
+      return with_format(f, [&]<Format F>() { amx_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
     }
   }
 #endif
 #if defined(REDSERVE_QUANT_BF16)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    switch (f) {
-      case Format::kQ8_0: return bf16_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
-      case Format::kQ4_0: return bf16_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
-      case Format::kQ4_1: return bf16_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
-      case Format::kQ5_0: return bf16_matmul<Format::kQ5_0>(o, xd, w, bias, m, k, n, row_bytes);
-    }
+    return with_format(f, [&]<Format F>() { bf16_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
   }
 #endif
-  switch (f) {
-    case Format::kQ8_0: return float_matmul<Format::kQ8_0>(o, xd, w, bias, m, k, n, row_bytes);
-    case Format::kQ4_0: return float_matmul<Format::kQ4_0>(o, xd, w, bias, m, k, n, row_bytes);
-    case Format::kQ4_1: return float_matmul<Format::kQ4_1>(o, xd, w, bias, m, k, n, row_bytes);
-    case Format::kQ5_0: return float_matmul<Format::kQ5_0>(o, xd, w, bias, m, k, n, row_bytes);
-  }
+  with_format(f, [&]<Format F>() { float_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
 }
 
 void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int64_t ggml_type,
