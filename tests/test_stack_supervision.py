@@ -310,7 +310,9 @@ def completion_line(custom_id: str, max_tokens: int) -> str:
 def test_killed_batch_worker_is_restarted_and_its_batch_completes_once(stack: Stack, tmp_path: Path) -> None:
     n = 40
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(completion_line(f"k{i}", 96) + "\n" for i in range(n)))
+    # Lengths staggered (24 to 492 tokens): items of one length all end on the same engine step, and on a fast
+    # machine every chunk was in flight at once, so the whole batch finished within the poll below.
+    src.write_text("".join(completion_line(f"k{i}", 24 + 12 * i) + "\n" for i in range(n)))
     submit = subprocess.run(cli("batch", "submit", str(src), "--chunk-size", "5"), capture_output=True, text=True,
                             timeout=60, env={**os.environ, "REDSERVE_STATE_DIR": str(stack.state_dir)})
     assert submit.returncode == 0, submit.stderr
