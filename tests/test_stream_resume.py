@@ -36,7 +36,7 @@ from redserve.proc_tree import descendants, title
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", str(32 << 20), "--max-num-seqs", "8",
                 "--tensor-parallel-size", "2"]
-MAX_TOKENS = 48
+MAX_TOKENS = 128  # streams long enough to be under way when a test freezes an engine (48 ended first once)
 LONG_TOKENS = 400  # the non-streamed request: still running when its engine is killed (200 was not, once, in CI)
 PROMPTS = [f"Stream number {i} tells a long story about" for i in range(8)]
 
