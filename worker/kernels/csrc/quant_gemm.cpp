@@ -221,8 +221,6 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 // of w's sign bits), so the sums stay exact. Q5_0: the nibbles as Q4's, plus 16 where the two blocks' qh bits
 // (one 64-bit mask in the codes' order) say so.
 template <Format F>
-constexpr bool kTwoBlocksAVector = true;  // every 32-weight format
-template <Format F>
 constexpr bool kPairedCodes = F != Format::kQ8_0;  // x in `pair_blocks` order
 
 template <Format F, int ROWS, int XS>
@@ -311,9 +309,6 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
     }
   }
 }
-#else
-template <Format F>
-constexpr bool kTwoBlocksAVector = false;
 #endif
 
 template <Format F>
@@ -324,9 +319,10 @@ struct Tile {
   template <int ROWS, int XS>
   static void dot(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
 #if defined(REDSERVE_QUANT_ZMM)
-    if constexpr (kTwoBlocksAVector<F>) return dot_tile_zmm<F, ROWS, XS>(out, w, row_bytes, x, x0);
-#endif
+    dot_tile_zmm<F, ROWS, XS>(out, w, row_bytes, x, x0);
+#else
     dot_tile<F, ROWS, XS>(out, w, row_bytes, x, x0);
+#endif
   }
 };
 
