@@ -65,7 +65,7 @@ def _cpu_flags() -> str:
 def build_key(sources: list[Path], cflags: tuple[str, ...] = ()) -> str:
     """16 hex digits over everything that makes a build unfit for reuse."""
     digest = hashlib.sha256()
-    for path in [*sources, *sorted(CSRC.glob("*.h"))]:  # the shared headers any source may include
+    for path in [*sources, *_headers(sources)]:  # the shared headers any source may include
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for part in (torch.__version__, " ".join(CFLAGS + cflags + LDFLAGS), _cpu_flags(), _LAYOUT):
         digest.update(part.encode() + b"\0")
@@ -122,11 +122,18 @@ def _build(name: str, sources: list[Path], cflags: tuple[str, ...] = ()) -> Modu
                                   extra_cflags=[*CFLAGS, *cflags], extra_ldflags=list(LDFLAGS), verbose=False)
 
 
+def _headers(sources: list[Path]) -> list[Path]:
+    """The shared headers, each from the first source's folder where it has one (another revision's sources
+    built beside these: benchmarks/bench_quant_kernel.py), else from ``csrc``."""
+    own = Path(sources[0]).parent if sources else CSRC
+    return [own / h.name if (own / h.name).is_file() else h for h in sorted(CSRC.glob("*.h"))]
+
+
 def _copy_sources(into: Path, sources: list[Path]) -> list[Path]:
     """``sources`` and the shared headers copied into ``into`` (a file already there with the same bytes is
     left alone, so its timestamp does not make ninja rebuild); the copies of ``sources``."""
     into.mkdir(exist_ok=True)
-    for path in [*sources, *CSRC.glob("*.h")]:
+    for path in [*sources, *_headers(sources)]:
         copy = into / path.name
         data = path.read_bytes()
         if not copy.is_file() or copy.read_bytes() != data:

@@ -209,9 +209,10 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 //
 // The 256-bit tile above spends ~17 instructions on a block of a row of W (its nibbles unpacked, its fp16 scale
 // and min converted and broadcast one by one, two sums, a conversion and an FMA), and at one row of x that, not
-// the memory, sets the pace. Here a 512-bit vector holds two blocks' codes, [b's low nibbles, b + 1's, b's high
-// nibbles, b + 1's] (two 16-byte loads, a shift, a mask), against x's blocks in that order
-// (`QuantizedRows::pair_blocks`); the scales and mins of 16 blocks come in one 32-bit gather (a block's first four
+// the memory, sets the pace. Here a 512-bit vector holds two blocks' codes in x's own order, [b's low nibbles,
+// b's high nibbles, b + 1's low, b + 1's high] (two 16-byte loads, a lane shuffle, a shift of lanes 1 and 3
+// under a mask, an and; an order that made x be reordered a call, and Q5_0's qh bits be cut and spliced in
+// scalar code, cost 5-10% at one row); the scales and mins of 16 blocks come in one 32-bit gather (a block's first four
 // bytes: d, and Q4_1's m; Q4_0's min is -8 d, Q5_0's -16 d), are multiplied by x's scales once, and each pair of blocks takes
 // its two with one permute. Per pair of blocks and row of W: two vpdpbusd (x's int8 and its remainder, as
 // above), a conversion, a permute, an FMA; the mins m * s go into the same accumulator, once per 16 blocks. W's
@@ -219,17 +220,13 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 // differs. An odd last block goes through the 256-bit path. Q8_0: its two blocks' 64 signed codes in their own
 // order against x's natural order, as |w| and x with w's sign (AVX-512 has no vpsignb: x negated under the mask
 // of w's sign bits), so the sums stay exact. Q5_0: the nibbles as Q4's, plus 16 where the two blocks' qh bits
-// (one 64-bit mask in the codes' order) say so.
-template <Format F>
-constexpr bool kPairedCodes = F != Format::kQ8_0;  // x in `pair_blocks` order
-
+// (one 64-bit mask: b's 32 bits, then b + 1's) say so.
 template <Format F, int ROWS, int XS>
 inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
   constexpr int64_t kBytes = bytes_of<F>(), kNibbles = nibbles_at<F>();
   const int64_t paired = x.blocks & ~int64_t{1};
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i pair_lanes = kPairedCodes<F> ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(static_cast<int>(kBytes)));
   __m512 acc[XS][ROWS];
@@ -255,8 +252,8 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
       const __m512i lanes = _mm512_add_epi32(pair_lanes, _mm512_set1_epi32(static_cast<int>(g)));
       __m512i xq[XS], xr[XS];
       for (int j = 0; j < XS; ++j) {
-        xq[j] = _mm512_loadu_si512(kPairedCodes<F> ? x.qpair(x0 + j, b0 + g) : x.qrow(x0 + j, b0 + g));
-        xr[j] = _mm512_loadu_si512(kPairedCodes<F> ? x.rest_pair(x0 + j, b0 + g) : x.rest_row(x0 + j, b0 + g));
+        xq[j] = _mm512_loadu_si512(x.qrow(x0 + j, b0 + g));
+        xr[j] = _mm512_loadu_si512(x.rest_row(x0 + j, b0 + g));
       }
       for (int r = 0; r < ROWS; ++r) {
         const uint8_t* p = w + r * row_bytes + (b0 + g) * kBytes;
@@ -274,10 +271,11 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
           const __m256i v = _mm256_inserti128_si256(
               _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kNibbles))),
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kBytes + kNibbles)), 1);
-          codes = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
-          if constexpr (F == Format::kQ5_0) {  // the fifth bits, in the codes' order: b low, b + 1 low, b high, b + 1 high
-            const uint64_t h0 = high_bits(p), h1 = high_bits(p + kBytes);
-            const __mmask64 fifth = (h0 & 0xFFFF) | (h1 & 0xFFFF) << 16 | (h0 >> 16) << 32 | (h1 >> 16) << 48;
+          const __m512i twice = _mm512_shuffle_i64x2(_mm512_castsi256_si512(v), _mm512_castsi256_si512(v),
+                                                     _MM_SHUFFLE(1, 1, 0, 0));  // b, b, b + 1, b + 1
+          codes = _mm512_and_si512(_mm512_mask_srli_epi16(twice, 0xFF00FF00u, twice, 4), low);
+          if constexpr (F == Format::kQ5_0) {  // the fifth bits: qh's bit i is weight i's
+            const __mmask64 fifth = static_cast<uint64_t>(high_bits(p)) | static_cast<uint64_t>(high_bits(p + kBytes)) << 32;
             codes = _mm512_mask_add_epi8(codes, fifth, codes, _mm512_set1_epi8(16));
           }
         }
@@ -313,9 +311,6 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
 
 template <Format F>
 struct Tile {
-#if defined(REDSERVE_QUANT_ZMM)
-  static constexpr bool kPairedX = kPairedCodes<F>;
-#endif
   template <int ROWS, int XS>
   static void dot(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
 #if defined(REDSERVE_QUANT_ZMM)
