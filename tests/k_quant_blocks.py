@@ -78,7 +78,8 @@ QUANTIZERS = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_
 
 
 def quantize(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    return QUANTIZERS[qtype](w)
+    """The k-quants by the quantizers here, any other type by the gguf package's own (Q8_0)."""
+    return QUANTIZERS[qtype](w) if qtype in QUANTIZERS else quants.quantize(w, qtype)
 
 
 def dequantize(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -100,8 +101,8 @@ def random_blocks(rows: int, k: int, qtype: GGMLQuantizationType, seed: int) -> 
 
 
 def requantize_gguf(src: str, dst: str, target: Callable[[str], GGMLQuantizationType | None]) -> dict[str, str]:
-    """Copy the GGUF ``src`` to ``dst`` with each tensor that ``target(name)`` names a k-quant for decoded (by
-    gguf) and quantized again to it (its row length must be a multiple of 256); metadata and every other
+    """Copy the GGUF ``src`` to ``dst`` with each tensor that ``target(name)`` names a type for decoded (by
+    gguf) and quantized again to it (a k-quant's row length must be a multiple of 256); metadata and every other
     tensor copied as they are. Returns {tensor name: its type in ``dst``}."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())

@@ -3,9 +3,10 @@ head for quantized ones and fill them straight from the file (``--quantization g
 GGUF on the CPU; ``worker.config``).
 
 Rules:
-- A layer is served quantized when every checkpoint tensor it holds is one `BlockFormat` in the file
-  (q, k and v of one format for ``qkv_proj``; gate and up for ``gate_up_proj``); any other layer keeps its
-  float weight from the converted directory, and one log line names how many stayed float and why. The
+- A layer is served quantized when every checkpoint tensor it holds is a `BlockFormat` in the file: one
+  format, or for a fused column-parallel projection one a shard (q and k in Q5_0 with v in Q8_0 make a
+  `ShardedBlockWeight`); any other layer keeps its float weight from the converted directory, and one log
+  line names how many stayed float and why. The
   format is each tensor's own: a Q4_K_M file holds Q4_K and Q6_K where a row is a multiple of 256 weights
   and other types where llama-quantize fell back (Q5_0, Q8_0: a model with 576 hidden features, as SmolLM2,
   gets k-quants only in ffn_down).
@@ -119,8 +120,11 @@ def load_quantized_weights(model: nn.Module, gguf_path: str) -> set[str]:
             if not isinstance(model.embed_tokens, MissingLayer):
                 continue  # shares the embedding's blocks (`tie_lm_head`)
             sources = [(None, "model.embed_tokens.weight")]
-        formats = {tensors.format_of(name) for _, name in sources}
-        fmt = formats.pop() if len(formats) == 1 else None
+        by_shard = {shard: tensors.format_of(name) for shard, name in sources}
+        formats = set(by_shard.values())
+        fmt: BlockFormat | dict[str, BlockFormat] | None = formats.pop() if len(formats) == 1 else None
+        if fmt is None and None not in formats and isinstance(module, ColumnParallelLinear):
+            fmt = by_shard  # shards of different block formats: `ShardedBlockWeight`
         if fmt is None:
             kept_float["+".join(sorted({_type_name(tensors, name) for _, name in sources}))] += 1
             continue
@@ -131,8 +135,7 @@ def load_quantized_weights(model: nn.Module, gguf_path: str) -> set[str]:
         if quantized is not module:
             parent, _, attr = prefix.rpartition(".")
             setattr(model.get_submodule(parent), attr, quantized)
-    formats = Counter(m.weight.fmt.name for m in model.modules()
-                      if isinstance(getattr(m, "weight", None), BlockQuantizedWeight))
+    formats = Counter(m.fmt.name for m in model.modules() if isinstance(m, BlockQuantizedWeight))
     logger.info("GGUF: %d layers served as blocks %s (%.1f MB)", sum(formats.values()), dict(formats),
                 sum(b.nbytes for b in model.buffers() if b.dtype == torch.uint8) / 1e6)
     if kept_float:

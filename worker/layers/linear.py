@@ -9,7 +9,8 @@ Rules:
   (`worker.layers.quantized_linear.BlockQuantizedWeight`, filled by ``load_quantized``) and has no float
   weight Parameter; the checkpoint's float copy of it is never read. Its TP split cuts whole blocks (32
   weights, 256 for Q4_K / Q6_K): a row-parallel shard whose input features are not a multiple of the block
-  is a ValueError.
+  is a ValueError. A column-parallel projection may take one format a shard (``{shard: format}``): shards of
+  different formats make a `ShardedBlockWeight` (a Q4_K_M file's q and k in Q5_0 beside v in Q8_0).
 - A quantized embedding dequantizes the rows it looks up; a tied LM head shares its blocks (`tie_to`).
 """
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.packed_gemm import MIN_ROWS, PackedWeight
-from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight, QuantizedGemm
+from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight, QuantizedGemm, ShardedBlockWeight
 from worker.layers.small_gemm import MAX_ROWS
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
@@ -48,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
     packed into this layer (e.g. q, k, v) as (name, full_size) pairs, each split evenly."""
 
     def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: torch.dtype,
-                 weight_format: BlockFormat | None = None):
+                 weight_format: BlockFormat | dict[str, BlockFormat] | None = None):
         super().__init__()
         tp = tp_group()
         self.in_features, self.shards, self.dtype = in_features, shards, dtype
@@ -58,7 +59,21 @@ class ColumnParallelLinear(nn.Module):
         for name, _ in shards:
             self.shard_offsets[name] = offset
             offset += self.shard_sizes[name]
-        self.weight, self.gemm = _projection_weight(offset, in_features, dtype, weight_format)
+        if isinstance(weight_format, dict):  # one format a shard: one weight where they agree, else runs of them
+            formats = {weight_format[name] for name, _ in shards}
+            if len(formats) == 1:
+                weight_format = formats.pop()
+            else:
+                runs: list[tuple[BlockFormat, int]] = []
+                for name, _ in shards:
+                    fmt, rows = weight_format[name], self.shard_sizes[name]
+                    if runs and runs[-1][0] is fmt:
+                        runs[-1] = (fmt, runs[-1][1] + rows)
+                    else:
+                        runs.append((fmt, rows))
+                self.weight, self.gemm = ShardedBlockWeight(runs, in_features, dtype), QuantizedGemm()
+        if not isinstance(weight_format, dict):
+            self.weight, self.gemm = _projection_weight(offset, in_features, dtype, weight_format)
         self.bias = nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False) if bias else None
 
     def load_shard(self, param: nn.Parameter, loaded: Any, shard: str) -> None:
@@ -71,8 +86,7 @@ class ColumnParallelLinear(nn.Module):
     def load_quantized(self, shard: str, blocks: torch.Tensor) -> None:
         """This rank's rows of ``shard`` from the whole tensor's blocks [full_size, row bytes]."""
         size, rank = self.shard_sizes[shard], tp_group().rank
-        offset = self.shard_offsets[shard]
-        self.weight.blocks[offset:offset + size].copy_(blocks[rank * size:(rank + 1) * size])
+        self.weight.block_rows(self.shard_offsets[shard], size).copy_(blocks[rank * size:(rank + 1) * size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm.matmul(x, self.weight, self.bias)
@@ -119,7 +133,7 @@ def _projection_weight(rows: int, in_features: int, dtype: torch.dtype, weight_f
     return BlockQuantizedWeight(weight_format, rows, in_features, dtype), QuantizedGemm()
 
 
-def quantized_twin(module: nn.Module, weight_format: BlockFormat) -> nn.Module:
+def quantized_twin(module: nn.Module, weight_format: BlockFormat | dict[str, BlockFormat]) -> nn.Module:
     """A projection's quantized twin (the same shapes and bias, its blocks still to fill), or an embedding / LM
     head itself made quantized (``quantize``): how GGUF blocks and ``--quantization int8`` swap a layer."""
     if isinstance(module, ColumnParallelLinear):
