@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.packed_gemm import MIN_ROWS, PackedWeight
-from worker.layers.quantized_linear import BlockFormat, BlockQuantizedWeight, QuantizedGemm, ShardedBlockWeight
+from worker.layers.quantized_linear import (
+    BlockFormat,
+    BlockQuantizedWeight,
+    QuantizedGemm,
+    ShardedBlockWeight,
+)
 from worker.layers.small_gemm import MAX_ROWS
 from worker.parallel_state import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
