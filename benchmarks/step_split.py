@@ -11,7 +11,8 @@ innermost range around it.
 
 Rules:
 - Categories by the class of the module (or object) an op runs under: ``*Linear*`` modules and the LM
-  head's ``compute_logits`` are ``matmul``; the paged attention object (``worker.layers.attention``)
+  head's ``compute_logits`` are ``matmul``; on the CPU kernel path (one flat loop of kernel calls, no module
+  forwards: worker/models/llama_kernel_path.py) by the kernel called, its projections ``matmul``; the paged attention object (``worker.layers.attention``)
   is ``attention``; ``*Norm*`` norm, ``*Rotary*`` rope, ``*MLP*`` (what its linears leave: the
   activation and the gate*up) activation, ``*Embedding`` embedding; the runner's sampler is
   ``sampler``; ``InputBatch.update/prepare/sampling_batch`` are ``input prep``. The rest of the model
@@ -82,12 +83,53 @@ def labels(llm) -> Iterator[None]:
     patch(type(runner.sampler), "__call__", "sampler")
     for attr in ("update", "prepare", "sampling_batch"):
         patch(runner.input_batch, attr, "input prep")
-    patch(runner, "execute_model", MODEL_OTHER)
+    for attr in ("execute_model", "submit_step", "collect_step"):  # the step runs submit + collect
+        patch(runner, attr, MODEL_OTHER)
+    for path in _kernel_paths(runner.model):
+        undo.append(_label_kernel_path(path))
     try:
         yield
     finally:
         for restore in reversed(undo):
             restore()
+
+
+# The kernel path's direct kernel calls by category (worker/models/llama_kernel_path.py: its ``ops`` are the
+# fused_ops kernel, its ``attention`` the paged-attention kernel; each layer's four projections are closures).
+KERNEL_PATH_OPS = {"rms_norm": "norm", "fused_add_rms_norm": "norm", "rotary_embedding": "rope",
+                   "silu_and_mul": "activation", "write_kv": "attention", "paged_attention": "attention"}
+KERNEL_PATH_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+class _LabelledKernels:
+    """A kernel module whose functions named in ``KERNEL_PATH_OPS`` run inside their category's range."""
+
+    def __init__(self, kernels) -> None:
+        self._kernels = kernels
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._kernels, name)
+        return _labelled(fn, KERNEL_PATH_OPS[name]) if name in KERNEL_PATH_OPS else fn
+
+
+def _kernel_paths(model: nn.Module) -> list:
+    """The CPU kernel paths bound so far (a model binds its own at the first step the path serves)."""
+    return [path for module in model.modules() if (path := module.__dict__.get("_kernel_path")) is not None]
+
+
+def _label_kernel_path(path) -> Callable[[], None]:
+    """Wrap a kernel path's kernels and projections in ranges (it calls no module forwards); returns the undo."""
+    ops, attention = path.ops, path.attention
+    linears = [(layer, name, getattr(layer, name)) for layer in path.layers for name in KERNEL_PATH_LINEARS]
+    path.ops, path.attention = _LabelledKernels(ops), _LabelledKernels(attention)
+    for layer, name, linear in linears:
+        setattr(layer, name, _labelled(linear, "matmul"))
+
+    def undo() -> None:
+        path.ops, path.attention = ops, attention
+        for layer, name, linear in linears:
+            setattr(layer, name, linear)
+    return undo
 
 
 def _attention_classes(model: nn.Module) -> set[type]:

@@ -34,7 +34,7 @@ from benchmarks.bench_vs_vllm import (  # noqa: E402
 )
 from benchmarks.llamacpp_build import CMAKE_OPTIONS, cmake_options, cpu_key, cpu_summary  # noqa: E402
 from benchmarks.perplexity import chunks, parse_llama_perplexity, perplexity, scored_logprobs  # noqa: E402
-from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, split_events  # noqa: E402
+from benchmarks.step_split import ENGINE_OTHER, MODEL_OTHER, format_split, measure, split_events  # noqa: E402
 from redserve.bench_serve import Client, bench_args, percentile  # noqa: E402
 
 
@@ -230,6 +230,28 @@ def test_split_counts_each_op_for_its_innermost_range() -> None:
     whole = sum(totals.values())
     assert f"| matmuls | {30.5 / whole * 10:.2f} | {30.5 / whole * 100:.1f} |" in table
     assert f"| the rest | {16 / whole * 10:.2f} | {16 / whole * 100:.1f} |" in table
+
+
+def test_the_split_labels_the_cpu_kernel_path() -> None:
+    """At one row on the CPU the kernel path runs the layers (no module forwards): its projections, norms, RoPE
+    and attention must land in their own categories, not in "engine other" (they all did, 5 Dec 2026)."""
+    from engine import LLM
+    from worker.models.tiny_model import ensure_default_model
+
+    llm = LLM(str(ensure_default_model()), dtype="float32", max_num_seqs=2)
+    try:
+        kernel_path = llm.engine.executor.runner.model.kernel_path()
+        if kernel_path is None:
+            pytest.skip("the C++ kernels did not build here: no kernel path to label")
+        step_ms, totals = measure(llm, 1, 16, 4)
+    finally:
+        llm.shutdown()
+    whole = sum(totals.values())
+    assert step_ms > 0 and whole > 0
+    for category in ("matmul", "norm", "rope", "attention"):
+        assert totals.get(category, 0.0) > 0, (category, totals)
+    assert totals["matmul"] > totals.get(ENGINE_OTHER, 0.0), totals
+    assert totals.get(ENGINE_OTHER, 0.0) < 0.5 * whole, totals
 
 
 HEALTH_SERVER = textwrap.dedent("""
