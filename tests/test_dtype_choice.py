@@ -17,9 +17,10 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 @pytest.mark.parametrize("checkpoint,flags,expected", [
-    (BF16, AMX, BF16), (FP16, AMX, BF16), (FP32, AMX, FP32),
+    (BF16, AMX, BF16), (FP16, AMX, BF16), (FP32, AMX, BF16),
     (BF16, AVX2, FP32), (FP16, AVX2, FP32), (FP32, AVX2, FP32),
     (BF16, frozenset({"avx512_bf16"}), BF16), (BF16, frozenset({"fp", "asimd", "bf16"}), BF16),
+    (FP32, frozenset({"avx512f", "avx512_bf16"}), FP32), (FP32, frozenset({"fp", "asimd", "bf16"}), FP32),
 ])
 def test_cpu_auto(checkpoint, flags, expected) -> None:
     choice = choose_dtype(None, checkpoint, "cpu", flags=flags)
@@ -73,12 +74,17 @@ def test_engine_logs_the_choice_once_and_warns_once_for_emulated_bf16(tiny_llama
     assert len(infos) == 1 and infos[0].getMessage() == "dtype bfloat16 (set by --dtype)"
 
 
-def test_engine_auto_on_the_float32_tiny_model(tiny_llama_dir, caplog) -> None:
+@pytest.mark.parametrize("flags,expected,message", [
+    (AVX2, FP32, "dtype float32 (auto: float32 checkpoint)"),
+    (AMX, BF16, "dtype bfloat16 (auto: float32 checkpoint, CPU with AMX bfloat16 tiles)"),
+])
+def test_engine_auto_on_the_float32_tiny_model(tiny_llama_dir, caplog, monkeypatch, flags, expected, message) -> None:
     from engine import LLM
 
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: flags)
     with caplog.at_level(logging.INFO, logger="worker.model_runner"):
         llm = LLM(model=tiny_llama_dir, dtype="auto", device="cpu", num_kv_blocks=16)
-        assert llm.engine.executor.runner.dtype == torch.float32
+        assert llm.engine.executor.runner.dtype == expected
         llm.shutdown()
     records = _dtype_records(caplog)
-    assert [r.getMessage() for r in records] == ["dtype float32 (auto: float32 checkpoint)"]
+    assert [r.getMessage() for r in records] == [message]
