@@ -65,19 +65,10 @@ class ColumnParallelLinear(nn.Module):
             self.shard_offsets[name] = offset
             offset += self.shard_sizes[name]
         if isinstance(weight_format, dict):  # one format a shard: one weight where they agree, else runs of them
-            formats = {weight_format[name] for name, _ in shards}
-            if len(formats) == 1:
-                weight_format = formats.pop()
-            else:
-                runs: list[tuple[BlockFormat, int]] = []
-                for name, _ in shards:
-                    fmt, rows = weight_format[name], self.shard_sizes[name]
-                    if runs and runs[-1][0] is fmt:
-                        runs[-1] = (fmt, runs[-1][1] + rows)
-                    else:
-                        runs.append((fmt, rows))
-                self.weight, self.gemm = ShardedBlockWeight(runs, in_features, dtype), QuantizedGemm()
-        if not isinstance(weight_format, dict):
+            runs = _format_runs([(weight_format[name], self.shard_sizes[name]) for name, _ in shards])
+            self.weight, self.gemm = (_projection_weight(offset, in_features, dtype, runs[0][0]) if len(runs) == 1
+                                      else (ShardedBlockWeight(runs, in_features, dtype), QuantizedGemm()))
+        else:
             self.weight, self.gemm = _projection_weight(offset, in_features, dtype, weight_format)
         self.bias = nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False) if bias else None
 
@@ -136,6 +127,17 @@ def _projection_weight(rows: int, in_features: int, dtype: torch.dtype, weight_f
         weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
         return weight, PackedWeight(PROJECTION_MIN_ROWS)
     return BlockQuantizedWeight(weight_format, rows, in_features, dtype), QuantizedGemm()
+
+
+def _format_runs(shards: list[tuple[BlockFormat, int]]) -> list[tuple[BlockFormat, int]]:
+    """(format, rows) of each shard in order -> the same with adjacent shards of one format merged."""
+    runs: list[tuple[BlockFormat, int]] = []
+    for fmt, rows in shards:
+        if runs and runs[-1][0] is fmt:
+            runs[-1] = (fmt, runs[-1][1] + rows)
+        else:
+            runs.append((fmt, rows))
+    return runs
 
 
 def quantized_twin(module: nn.Module, weight_format: BlockFormat | dict[str, BlockFormat]) -> nn.Module:
