@@ -1,7 +1,11 @@
 """Where a decode step's time goes: matmuls, attention, and the rest, at batch 1 and batch 64.
 
     python benchmarks/step_split.py [--model DIR|FILE.gguf] [--dtype float32] [--batches 1,64] [--steps 8]
-                                    [--quantization auto|none|gguf]
+                                    [--quantization auto|none|gguf] [--prefill N]
+
+``--prefill N`` splits prefill steps instead: each step takes N new prompts of ``--input-len`` tokens at once
+(N x input_len must fit ``max_num_batched_tokens``, 2048 by default: 16 x 128), so what a served c=64 run spends
+on its arrivals (each 128-token prompt's prefill stalls every stream in decode) is measured on its own.
 
 Runs the engine in this process (``LLM``, in-process executor), brings B requests into decode, then
 times a few ``EngineCore.step()`` calls plainly (the step ms) and once more under ``torch.profiler``
@@ -171,11 +175,11 @@ def _innermost_category(event) -> str | None:
     return None
 
 
-def format_split(batch: int, step_ms: float, totals: dict[str, float]) -> str:
+def format_split(batch: int, step_ms: float, totals: dict[str, float], kind: str = "decode") -> str:
     """A markdown table: one row per category (ms per step and % of the step), subtotals first."""
     whole = sum(totals.values()) or 1.0
     share = {c: totals.get(c, 0.0) / whole for c in ORDER}
-    lines = [f"decode step split, batch {batch}: {step_ms:.2f} ms/step (unprofiled)", "",
+    lines = [f"{kind} step split, batch {batch}: {step_ms:.2f} ms/step (unprofiled)", "",
              "| part | ms/step | % of step |", "|---|---:|---:|"]
     rest = 1.0 - sum(share[c] for cats in SUBTOTALS.values() for c in cats)
     rows = [(name, sum(share[c] for c in cats)) for name, cats in SUBTOTALS.items()]
@@ -216,6 +220,34 @@ def measure(llm, batch: int, input_len: int, steps: int) -> tuple[float, dict[st
     return step_ms, split_events(prof.events())
 
 
+def measure_prefill(llm, prompts: int, input_len: int, steps: int) -> tuple[float, dict[str, float]]:
+    """Steps that each prefill ``prompts`` fresh prompts of ``input_len`` tokens (nothing in decode)."""
+    from protocol.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    g = torch.Generator().manual_seed(prompts)
+
+    def one_step(tag: str) -> None:
+        for i in range(prompts):
+            ids = torch.randint(10, llm.engine.vocab_size - 10, (input_len,), generator=g).tolist()
+            llm.engine.add_request(f"prefill-{tag}-{i}", ids, params)
+        llm.engine.step()
+        while llm.engine.has_unfinished_requests():  # max_tokens=1: the prefill step finishes them
+            llm.engine.step()
+
+    for warm in range(2):
+        one_step(f"warm{warm}")
+    times = []
+    for s in range(steps):
+        start = time.perf_counter()
+        one_step(f"timed{s}")
+        times.append(time.perf_counter() - start)
+    with labels(llm), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for s in range(steps):
+            with record_function(PREFIX + STEP):
+                one_step(f"profiled{s}")
+    return sorted(times)[len(times) // 2] * 1e3, split_events(prof.events())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
@@ -225,6 +257,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="split prefill steps of N prompts of --input-len tokens instead of decode steps")
     args = parser.parse_args()
     from engine import LLM
     from worker.models.tiny_model import ensure_default_model
@@ -235,6 +269,11 @@ def main() -> None:
         print(f"model={llm.config.model} dtype={args.dtype} quantization={llm.config.quantization} "
               f"threads={torch.get_num_threads()} "
               f"input_len={args.input_len} steps={args.steps}")
+        if args.prefill:
+            step_ms, totals = measure_prefill(llm, args.prefill, args.input_len, args.steps)
+            print("\n" + format_split(args.prefill, step_ms, totals, kind=f"prefill ({args.input_len} tokens each)"))
+            print(f"\n{args.prefill * args.input_len / step_ms * 1e3:.0f} prefill tok/s")
+            return
         for batch in batches:
             step_ms, totals = measure(llm, batch, args.input_len, args.steps)
             print("\n" + format_split(batch, step_ms, totals))

@@ -141,9 +141,11 @@ def test_rope_rejects_positions_past_the_table(ops) -> None:
         rotary(torch.tensor([3, 10]), q, k)
 
 
-# float32 SiLU runs in the kernel where it builds: its exp is within 2 ulp of torch's, so the product is
-# within a few ulp; the other dtypes (torch's ops) are exact.
-SILU_TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-30}}
+# float32 and bfloat16 SiLU run in the kernel where it builds: its exp is within 2 ulp of torch's, so the float32
+# product is within a few ulp, and a bfloat16 one within its last bit (an activation a float32 ulp from a
+# rounding boundary may round the other way: an ulp of the activation, then of the product); float16 (torch's
+# ops) is exact.
+SILU_TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-30}, torch.bfloat16: {"rtol": 2 ** -6, "atol": 1e-30}}
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])
@@ -155,24 +157,39 @@ def test_gated_activations_match_act_then_mul(dtype, tokens, inter) -> None:
     torch.testing.assert_close(gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up, rtol=0, atol=0)
 
 
-def test_silu_kernel_at_the_edges_of_exp(ops) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("extra", [0, 16, 24])  # 17, 33 and 41 values: 16- and 8-lane passes and a scalar tail
+def test_silu_kernel_at_the_edges_of_exp(ops, dtype, extra) -> None:
     gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0, -87.0, 88.5, -88.5, 100.0, -100.0, 1e30,
-                         float("inf"), float("nan"), 3.0, -3.0])  # 17 values: two AVX2 passes and a scalar tail
-    up = torch.linspace(-2, 2, gate.numel())
-    out = torch.empty(1, gate.numel())
+                         float("inf"), float("nan"), 3.0, -3.0] + torch.linspace(-9, 9, extra).tolist()).to(dtype)
+    up = torch.linspace(-2, 2, gate.numel()).to(dtype)
+    out = torch.empty(1, gate.numel(), dtype=dtype)
     ops.silu_and_mul(out, torch.cat([gate, up]).unsqueeze(0))
     expected = F.silu(gate) * up
-    torch.testing.assert_close(out[0], expected, rtol=2e-6, atol=1e-36, equal_nan=True)
+    torch.testing.assert_close(out[0], expected, **SILU_TOLERANCE[dtype], equal_nan=True)
 
 
-def test_silu_kernel_on_rows_of_a_wider_tensor(ops) -> None:
-    wide = torch.randn(6, 2 * 40 + 5)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_kernel_on_rows_of_a_wider_tensor(ops, dtype) -> None:
+    wide = torch.randn(6, 2 * 40 + 5).to(dtype)
     x = wide[:, :80]  # rows 85 apart: the kernel follows the row stride
-    out = torch.empty(6, 40)
+    out = torch.empty(6, 40, dtype=dtype)
     ops.silu_and_mul(out, x)
-    torch.testing.assert_close(out, F.silu(x[:, :40]) * x[:, 40:], rtol=2e-6, atol=1e-30)
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.silu_and_mul(out.bfloat16(), x.bfloat16())
+    torch.testing.assert_close(out, F.silu(x[:, :40]) * x[:, 40:], **SILU_TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        ops.silu_and_mul(out.half(), x.half())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.silu_and_mul(out, x.half())
+
+
+def test_bfloat16_silu_kernel_rounds_as_torch_does(ops) -> None:
+    """Nearly every bfloat16 value is torch's to the bit (the activation rounded, then the product): a kernel that
+    skipped the activation's rounding would differ on about half of them."""
+    x = (4 * torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(3))).bfloat16()
+    out = torch.empty(64, 1536, dtype=torch.bfloat16)
+    ops.silu_and_mul(out, x)
+    expected = F.silu(x[:, :1536]) * x[:, 1536:]
+    assert (out.view(torch.int16) == expected.view(torch.int16)).float().mean() > 0.999
 
 
 # --- argmax for the sampler -------------------------------------------------------------------------------

@@ -21,12 +21,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
 from worker.dtype_choice import cpu_flags
 from worker.kernels import build
 from worker.layers import quantized_linear
 from worker.layers.quantized_linear import (
+    DEQUANTIZED_GEMM_MIN_ROWS,
     KERNEL_MAX_ROWS,
     BlockFormat,
     BlockQuantizedWeight,
@@ -346,6 +348,42 @@ def test_the_kernel_dequantizes_rows_as_the_gguf_package(kernel, fmt) -> None:
     kernel.dequantize_rows(out, torch.from_numpy(blocks), int(fmt))
     ulp = torch.from_numpy(w).abs() * 2 ** -23 if fmt is BlockFormat.Q4_1 else 0
     assert ((out.double() - torch.from_numpy(w)).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_the_kernel_dequantizes_rows_to_bfloat16_as_torch_rounds(variant_kernel, fmt) -> None:
+    """bfloat16 out: the float32 weights rounded once to nearest even, as ``.to(torch.bfloat16)`` rounds them (each
+    build: AVX-512 BF16's conversion and the plain one)."""
+    blocks, _ = quantized(fmt, 77, 32 * 5, seed=10)
+    wide = torch.empty(77, 160)
+    variant_kernel.dequantize_rows(wide, torch.from_numpy(blocks), int(fmt))
+    out = torch.full((77, 160), float("nan"), dtype=torch.bfloat16)
+    variant_kernel.dequantize_rows(out, torch.from_numpy(blocks), int(fmt))
+    assert torch.equal(out.view(torch.int16), wide.bfloat16().view(torch.int16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 out"):
+        variant_kernel.dequantize_rows(out.half(), torch.from_numpy(blocks), int(fmt))
+
+
+def test_many_bfloat16_rows_on_amx_multiply_by_the_dequantized_weight(kernel, monkeypatch) -> None:
+    """From DEQUANTIZED_GEMM_MIN_ROWS rows of bfloat16 x on AMX: F.linear with the weight dequantized to bfloat16,
+    in parts of DEQUANTIZED_GEMM_WEIGHTS (three here, the last one short), the bias split with them. Elsewhere
+    quant_matmul keeps those rows."""
+    blocks, _ = quantized(BlockFormat.Q4_1, 40, 96, seed=12)
+    weight = weight_of(BlockFormat.Q4_1, blocks, 96, torch.bfloat16)
+    bias = torch.randn(40).bfloat16()
+    x = activations(DEQUANTIZED_GEMM_MIN_ROWS + 3, 96, seed=13).bfloat16()
+    if kernel.amx_matmul():
+        dequantized = torch.empty(40, 96, dtype=torch.bfloat16)
+        kernel.dequantize_rows(dequantized, weight.blocks, int(weight.fmt))
+        want = F.linear(x, dequantized, bias)
+        monkeypatch.setattr(quantized_linear, "DEQUANTIZED_GEMM_WEIGHTS", 16 * 96)
+        monkeypatch.setattr(kernel, "quant_matmul", lambda *a: pytest.fail("quant_matmul ran"))
+    else:
+        want = run_matmul(kernel, x, blocks, weight.fmt, bias)
+    assert torch.equal(quant_linear(x.view(1, -1, 96), weight, bias).view(-1, 40), want)
+    fewer = x[:DEQUANTIZED_GEMM_MIN_ROWS - 1]  # one row fewer: the tiles
+    monkeypatch.undo()
+    assert torch.equal(quant_linear(fewer, weight, bias), run_matmul(kernel, fewer, blocks, weight.fmt, bias))
 
 
 def test_embedding_rows_dequantize_in_the_model_dtype() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from k_quant_blocks import dequantize as gguf_dequantize
 from k_quant_blocks import quantize, random_blocks
@@ -30,6 +31,7 @@ from worker.kernels import build
 from worker.layers import k_quants, quantized_linear
 from worker.layers.linear import RowParallelLinear
 from worker.layers.quantized_linear import (
+    DEQUANTIZED_GEMM_MIN_ROWS,
     K_QUANT_KERNEL_MAX_ROWS,
     BlockFormat,
     BlockQuantizedWeight,
@@ -221,6 +223,15 @@ def test_the_kernel_dequantizes_rows_as_the_gguf_package(kernel, fmt) -> None:
         assert torch.equal(out, torch.from_numpy(gguf_dequantize(blocks, qtype(fmt))))
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_the_kernel_dequantizes_rows_to_bfloat16_as_torch_rounds(kernel, fmt) -> None:
+    blocks = random_blocks(45, 512, qtype(fmt), seed=11)
+    out = torch.full((45, 512), float("nan"), dtype=torch.bfloat16)
+    kernel.dequantize_rows(out, torch.from_numpy(blocks), int(fmt))
+    want = torch.from_numpy(gguf_dequantize(blocks, qtype(fmt))).bfloat16()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
 def weight_of(fmt: BlockFormat, blocks: np.ndarray, k: int, dtype=torch.float32) -> BlockQuantizedWeight:
     weight = BlockQuantizedWeight(fmt, blocks.shape[0], k, dtype)
     weight.blocks.copy_(torch.from_numpy(blocks))
@@ -367,3 +378,18 @@ def test_the_layer_takes_the_amx_tiles_for_many_bfloat16_rows(native, monkeypatc
             with pytest.raises(RuntimeError, match="no AMX tiles"):
                 native.quant_matmul(torch.empty_like(want), x, weight.blocks, int(fmt), None)
         assert torch.equal(quant_linear(x, weight), want)
+
+
+def test_many_bfloat16_rows_on_amx_multiply_by_the_dequantized_weight(native, monkeypatch) -> None:
+    x = activations(DEQUANTIZED_GEMM_MIN_ROWS, 512, seed=5).bfloat16()
+    for fmt in FORMATS:
+        weight = weight_of(fmt, quantized(fmt, 40, 512, seed=6)[0], 512, torch.bfloat16)
+        if native.amx_matmul():
+            dequantized = torch.empty(40, 512, dtype=torch.bfloat16)
+            native.dequantize_rows(dequantized, weight.blocks, int(fmt))
+            want = F.linear(x, dequantized)
+            monkeypatch.setattr(native, "quant_matmul", lambda *a: pytest.fail("quant_matmul ran"))
+        else:
+            want = tiled_linear(x, weight)
+        assert torch.equal(quant_linear(x, weight), want)
+        monkeypatch.undo()

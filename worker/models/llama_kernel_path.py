@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from worker.layers.attention import AttentionMetadata, paged_attention_kernel
 from worker.layers.fused_ops import fused_ops_for
@@ -133,7 +132,6 @@ class LlamaKernelPath:
                                                  batch.context_lens, batch.block_size)
         positions = positions.long().contiguous()
         tokens = hidden.shape[0]
-        fp32_silu = hidden.dtype == torch.float32
         out = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             norm = layer.input_norm
@@ -160,11 +158,7 @@ class LlamaKernelPath:
             norm = layer.post_norm
             add_rms_norm(hidden, residual, norm.weight, norm.eps, norm.offset)
             gate_up = layer.gate_up(hidden)
-            if fp32_silu:
-                act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=gate_up.dtype)
-                ops.silu_and_mul(act, gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate).mul_(up)
+            act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=gate_up.dtype)
+            ops.silu_and_mul(act, gate_up)
             hidden = layer.down(act)
         return hidden, residual

@@ -1,8 +1,8 @@
 // Fused CPU ops for the decoder layers: RMSNorm (optionally with the residual add folded in) and RoPE
 // applied in place to q and k. One call replaces the 5-12 torch ops (and their temporaries) each of
 // these takes, which is what they cost at small batch. float32 and bfloat16 only; the Python side
-// sends anything else to its torch path. Two float32-only ops beside them: SiLU-and-mul of the MLP
-// (one pass over gate and up, exp eight lanes at a time on AVX2) and the sampler's row-wise argmax.
+// sends anything else to its torch path. SiLU-and-mul of the MLP is one pass over gate and up (exp eight
+// lanes at a time on AVX2), and the sampler's row-wise argmax (float32 only) sits beside them.
 //
 // Rules: rounding follows the Hugging Face / PyTorch op sequence in the tensor's own dtype, so float32
 // agrees with the torch path up to summation order, and bfloat16 rounds at the same points: the norm
@@ -17,16 +17,19 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "simd_exp.h"
 
 namespace {
 
 constexpr int64_t kGrainElements = 1 << 18;  // below this many elements a call stays on one thread
+constexpr int64_t kSiluGrainElements = 1 << 14;  // silu_and_mul's (its exp costs ~20x a norm's work a value)
 
 int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
@@ -95,17 +98,119 @@ void rotate_head(typename S::T* __restrict x1, typename S::T* __restrict x2, con
 }
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i], as torch's float32 silu then mul.
-inline void silu_mul_row(float* __restrict out, const float* gate, const float* up, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight values of a row as float32 lanes, and back: bfloat16 widens exactly; it rounds to nearest even, a NaN
+// staying a quiet NaN (BFloat16::store, eight lanes at a time).
+template <typename S>
+inline __m256 load8(const typename S::T* p) {
+  if constexpr (std::is_same_v<S, Float32>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+}
+
+inline __m256i bf16_bits8(__m256 v) {  // the rounded bfloat16 of each lane, in the low 16 bits of its 32
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+template <typename S>
+inline __m256 round8(__m256 v) {  // v rounded to the dtype (float32: itself)
+  if constexpr (std::is_same_v<S, Float32>) {
+    return v;
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+  }
+}
+
+template <typename S>
+inline void store8(typename S::T* p, __m256 v) {
+  if constexpr (std::is_same_v<S, Float32>) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    const __m256i packed = _mm256_packus_epi32(bf16_bits8(v), _mm256_setzero_si256());  // per 128-bit lane
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0b1000)));
+  }
+}
+#endif
+
+#if defined(__AVX512F__)
+// The same on sixteen lanes.
+template <typename S>
+inline __m512 load16(const typename S::T* p) {
+  if constexpr (std::is_same_v<S, Float32>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+
+inline __m512i bf16_bits16(__m512 v) {
+#if defined(__AVX512BF16__)
+  // vcvtneps2bf16 rounds to nearest even as BFloat16::store does; only a NaN's payload may differ (a NaN stays one)
+  return _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#endif
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+}
+
+template <typename S>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<S, Float32>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+  }
+}
+
+template <typename S>
+inline void store16(typename S::T* p, __m512 v) {
+  if constexpr (std::is_same_v<S, Float32>) {
+    _mm512_storeu_ps(p, v);
+  } else {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
+#endif
+  }
+}
+#endif
+
+// out = round(round(silu(gate)) * up): F.silu(gate).mul_(up) in the row's dtype (float32: no rounding).
+template <typename S>
+inline void silu_mul_row(typename S::T* __restrict out, const typename S::T* gate, const typename S::T* up, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one16 = _mm512_set1_ps(1.f), zero16 = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16<S>(gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one16, redserve_simd::exp_avx512(_mm512_sub_ps(zero16, g))));
+    store16<S>(out + i, _mm512_mul_ps(round16<S>(silu), load16<S>(up + i)));
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 g = load8<S>(gate + i);
     const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, redserve_simd::exp_avx2(_mm256_sub_ps(zero, g))));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    store8<S>(out + i, _mm256_mul_ps(round8<S>(silu), load8<S>(up + i)));
   }
 #endif
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  for (; i < n; ++i) {
+    const float g = S::load(gate[i]);
+    out[i] = S::store(round_to<S>(g / (1.f + std::exp(-g))) * S::load(up[i]));
+  }
 }
 
 // The first index of the row's maximum; a NaN counts as the maximum (torch.argmax's rule).
@@ -246,22 +351,28 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
-// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (the packed gate/up projection); float32 rows
-// with a contiguous last dim.
+// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (the packed gate/up projection); float32 or bfloat16
+// rows with a contiguous last dim.
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && x.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat, "silu_and_mul takes float32 CPU tensors");
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && x.scalar_type() == out.scalar_type(),
+              "silu_and_mul takes CPU tensors of one dtype");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "x and out must be 2-D rows");
   TORCH_CHECK(x.size(1) % 2 == 0 && out.size(0) == x.size(0) && out.size(1) * 2 == x.size(1),
               "x must be [T, 2I] and out [T, I]");
   const int64_t tokens = x.size(0), inter = out.size(1);
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, tokens, grain_rows(x.size(1)), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * x.stride(0);
-      silu_mul_row(op + t * out.stride(0), row, row + inter, inter);
-    }
+  dispatch(x.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    const auto* xp = ptr<S>(x);
+    auto* op = ptr<S>(out);
+    // ~2 cycles a value (the exp): a finer grain than the memory-bound ops' (SmolLM2's MLP at T=64, bfloat16: 67 us
+    // on one thread of the Xeon, where torch's two ops, split over both, took 49)
+    const int64_t grain = std::max<int64_t>(1, kSiluGrainElements / x.size(1));
+    at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* row = xp + t * x.stride(0);
+        silu_mul_row<S>(op + t * out.stride(0), row, row + inter, inter);
+      }
+    });
   });
 }
 
@@ -286,6 +397,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * (offset + w); out may alias x");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_embedding", &rotary_embedding, "neox RoPE on q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over x = [gate | up] (float32)");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over x = [gate | up] (float32 or bfloat16)");
   m.def("argmax_rows", &argmax_rows, "out[t] = argmax(x[t]) (float32; first maximum, NaN counts as the maximum)");
 }

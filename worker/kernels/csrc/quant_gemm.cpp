@@ -388,33 +388,45 @@ inline void dequantize_block(float* w, const uint8_t* p) {
 #endif
 }
 
-template <Format F>
-void dequantize_range(float* dst, const uint8_t* src, int64_t first, int64_t last) {
-  constexpr int64_t kBytes = bytes_of<F>();
-  for (int64_t i = first; i < last; ++i) dequantize_block<F>(dst + i * kBlock, src + i * kBytes);
+// fn.template operator()<F>() for the format f names (the dispatch of a kernel templated on the format).
+template <class Fn>
+void with_format(Format f, Fn&& fn) {
+  switch (f) {
+    case Format::kQ8_0: return fn.template operator()<Format::kQ8_0>();
+    case Format::kQ4_0: return fn.template operator()<Format::kQ4_0>();
+    case Format::kQ4_1: return fn.template operator()<Format::kQ4_1>();
+    case Format::kQ5_0: return fn.template operator()<Format::kQ5_0>();
+  }
 }
 
-// out[r] = the weights of blocks row r, as float32 (for many rows of x, where a float GEMM beats the int8 path).
+
+// out[r] = the weights of blocks row r, as float32 or bfloat16 (rounded once from the float32 weights): for many
+// rows of x, where a float GEMM on the dequantized weight beats the int8 path and the AMX tiles (quantized_linear.py).
 void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
   const auto f = static_cast<Format>(ggml_type);
   TORCH_CHECK(f == Format::kQ8_0 || f == Format::kQ4_0 || f == Format::kQ4_1 || f == Format::kQ5_0,
               "dequantize_rows: GGML type ", ggml_type, " is not Q8_0, Q4_0, Q4_1 or Q5_0");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && out.scalar_type() == torch::kFloat && blocks.dim() == 2 &&
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 &&
+                  (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16) && blocks.dim() == 2 &&
                   out.dim() == 2 && blocks.is_contiguous() && out.is_contiguous(),
-              "dequantize_rows: uint8 blocks [N, B] and float32 out [N, K], contiguous");
+              "dequantize_rows: uint8 blocks [N, B] and float32 or bfloat16 out [N, K], contiguous");
   const int64_t n = blocks.size(0), row_bytes = blocks.size(1), bytes = block_bytes(f);
   const int64_t nb = row_bytes / bytes, k = nb * kBlock;
   TORCH_CHECK(row_bytes % bytes == 0 && out.size(0) == n && out.size(1) == k, "dequantize_rows: shape mismatch");
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n * nb, 4096, [&](int64_t first, int64_t last) {
-    switch (f) {
-      case Format::kQ8_0: return dequantize_range<Format::kQ8_0>(dst, src, first, last);
-      case Format::kQ4_0: return dequantize_range<Format::kQ4_0>(dst, src, first, last);
-      case Format::kQ4_1: return dequantize_range<Format::kQ4_1>(dst, src, first, last);
-      case Format::kQ5_0: return dequantize_range<Format::kQ5_0>(dst, src, first, last);
-    }
-  });
+  auto run = [&]<typename DstT>(DstT* dst) {
+    at::parallel_for(0, n * nb, 4096, [&](int64_t first, int64_t last) {
+      with_format(f, [&]<Format F>() {
+        dequantize_blocks_to(dst, first, last, kBlock,
+                             [&](float* w, int64_t i) { dequantize_block<F>(w, src + i * bytes_of<F>()); });
+      });
+    });
+  };
+  if (out.scalar_type() == torch::kFloat) {
+    run(out.data_ptr<float>());
+  } else {
+    run(out.data_ptr<at::BFloat16>());
+  }
 }
 
 
@@ -808,17 +820,6 @@ void quant_matmul_q8(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, i
 #endif
 }
 
-// fn.template operator()<F>() for the format f names (the dispatch of a kernel templated on the format).
-template <class Fn>
-void with_format(Format f, Fn&& fn) {
-  switch (f) {
-    case Format::kQ8_0: return fn.template operator()<Format::kQ8_0>();
-    case Format::kQ4_0: return fn.template operator()<Format::kQ4_0>();
-    case Format::kQ4_1: return fn.template operator()<Format::kQ4_1>();
-    case Format::kQ5_0: return fn.template operator()<Format::kQ5_0>();
-  }
-}
-
 template <typename T>
 void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blocks, const T* bias, Format f) {
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
@@ -881,5 +882,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_matmul", &amx_matmul_used,
         "whether quant_matmul multiplies bfloat16 x on AMX tiles (the weights rounded to bfloat16 first)");
   m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul multiplies bfloat16 x with vdpbf16ps");
-  m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 block rows");
+  m.def("dequantize_rows", &dequantize_rows, "out = the float32 or bfloat16 weights of GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 block rows");
 }

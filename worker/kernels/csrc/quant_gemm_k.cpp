@@ -299,30 +299,35 @@ __attribute__((optimize("fp-contract=off"))) inline void dequantize_block(float*
   }
 }
 
-template <Format F>
-__attribute__((optimize("fp-contract=off"))) void dequantize_range(float* dst, const uint8_t* src, int64_t first, int64_t last) {
-  for (int64_t i = first; i < last; ++i) dequantize_block<F>(dst + i * kSuper, src + i * block_bytes(F));
-}
-
-// out[r] = the weights of blocks row r, as float32 (the tiled F.linear path for many rows of x).
+// out[r] = the weights of blocks row r, as float32 or bfloat16 (rounded once from the float32 weights): the
+// float GEMM paths for many rows of x (quantized_linear.py).
 void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type) {
   const Format f = checked_format(ggml_type, "dequantize_rows");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && out.scalar_type() == torch::kFloat && blocks.dim() == 2 &&
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 &&
+                  (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16) && blocks.dim() == 2 &&
                   out.dim() == 2 && blocks.is_contiguous() && out.is_contiguous(),
-              "dequantize_rows: uint8 blocks [N, B] and float32 out [N, K], contiguous");
+              "dequantize_rows: uint8 blocks [N, B] and float32 or bfloat16 out [N, K], contiguous");
   const int64_t n = blocks.size(0), row_bytes = blocks.size(1), bytes = block_bytes(f);
   const int64_t nb = row_bytes / bytes;
   TORCH_CHECK(row_bytes % bytes == 0 && out.size(0) == n && out.size(1) == nb * kSuper,
               "dequantize_rows: shape mismatch");
   const uint8_t* src = blocks.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, n * nb, 512, [&](int64_t first, int64_t last) {
-    if (f == Format::kQ4_K) {
-      dequantize_range<Format::kQ4_K>(dst, src, first, last);
-    } else {
-      dequantize_range<Format::kQ6_K>(dst, src, first, last);
-    }
-  });
+  auto run = [&]<typename DstT>(DstT* dst) {
+    at::parallel_for(0, n * nb, 512, [&](int64_t first, int64_t last) {
+      if (f == Format::kQ4_K) {
+        dequantize_blocks_to(dst, first, last, kSuper,
+                             [&](float* w, int64_t i) { dequantize_block<Format::kQ4_K>(w, src + i * bytes); });
+      } else {
+        dequantize_blocks_to(dst, first, last, kSuper,
+                             [&](float* w, int64_t i) { dequantize_block<Format::kQ6_K>(w, src + i * bytes); });
+      }
+    });
+  };
+  if (out.scalar_type() == torch::kFloat) {
+    run(out.data_ptr<float>());
+  } else {
+    run(out.data_ptr<at::BFloat16>());
+  }
 }
 
 #if defined(REDSERVE_QUANT_Q8_MATMUL)
@@ -417,7 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = x @ dequantize(blocks).T (+ bias) for many bfloat16 rows of x on AMX tiles (weights rounded to bfloat16)");
   m.def("amx_matmul", &amx_matmul_used, "whether quant_matmul runs here (AMX tiles in this build and process)");
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q4_K / Q6_K blocks");
-  m.def("dequantize_rows", &dequantize_rows, "out = the float32 weights of GGUF Q4_K / Q6_K block rows");
+  m.def("dequantize_rows", &dequantize_rows, "out = the float32 or bfloat16 weights of GGUF Q4_K / Q6_K block rows");
   m.def("quant_matmul_q8", &quant_matmul_q8,
         "out = x @ dequantize(blocks).T (+ bias) for many rows of x, Q4_K, x rounded to int8 per block (llama.cpp's q8)");
   m.def("q8_matmul", &q8_matmul_built, "whether this build has quant_matmul_q8 (AVX-512 VNNI)");

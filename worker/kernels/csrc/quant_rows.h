@@ -50,6 +50,34 @@ inline float half_to_float(const uint8_t* p) {
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
+// out[i] = v[i] rounded to the nearest bfloat16 (ties to even, as torch's float -> bfloat16); AVX-512 BF16 rounds
+// 8 at a time (vcvtneps2bf16 rounds the same way, and NaN stays NaN). 8, not 16: the decoders write v in 8-float
+// stores, and a 16-float load of two of them waits for both to retire (a failed store forward: 3x the time).
+inline void round_to_bf16(at::BFloat16* out, const float* v, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(v + i))));
+#endif
+  for (; i < n; ++i) out[i] = at::BFloat16(v[i]);
+}
+
+// Decodes blocks [first, last) of a [rows, blocks a row] matrix into dst as DstT (float32, or bfloat16 rounded
+// once from the float32 weights): `decode(w, i)` writes block i's `weights` float32 values to w.
+template <typename DstT, class Decode>
+inline void dequantize_blocks_to(DstT* dst, int64_t first, int64_t last, int64_t weights, const Decode& decode) {
+  if constexpr (std::is_same_v<DstT, float>) {
+    for (int64_t i = first; i < last; ++i) decode(dst + i * weights, i);
+  } else {
+    alignas(64) float w[256];  // a block: 32 or 256 weights
+    for (int64_t i = first; i < last; ++i) {
+      decode(w, i);
+      round_to_bf16(dst + i * weights, w, weights);
+    }
+  }
+}
+
 // The rows of x as int8 blocks: q and the remainder's q' [M, K], e / 256 and s [M, K / 32], s16 [M, K / 16].
 struct QuantizedRows {
   std::vector<int8_t> q, rest;
