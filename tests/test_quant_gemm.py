@@ -366,24 +366,27 @@ def test_the_kernel_dequantizes_rows_to_bfloat16_as_torch_rounds(variant_kernel,
 
 def test_many_bfloat16_rows_on_amx_multiply_by_the_dequantized_weight(kernel, monkeypatch) -> None:
     """From DEQUANTIZED_GEMM_MIN_ROWS rows of bfloat16 x on AMX: F.linear with the weight dequantized to bfloat16,
-    in parts of DEQUANTIZED_GEMM_WEIGHTS (three here, the last one short), the bias split with them. Elsewhere
-    quant_matmul keeps those rows."""
+    for weights of up to DEQUANTIZED_GEMM_MAX_WEIGHTS. Fewer rows, a larger weight, and every row elsewhere:
+    quant_matmul."""
     blocks, _ = quantized(BlockFormat.Q4_1, 40, 96, seed=12)
     weight = weight_of(BlockFormat.Q4_1, blocks, 96, torch.bfloat16)
     bias = torch.randn(40).bfloat16()
     x = activations(DEQUANTIZED_GEMM_MIN_ROWS + 3, 96, seed=13).bfloat16()
+    tiles = run_matmul(kernel, x, blocks, weight.fmt, bias)
     if kernel.amx_matmul():
         dequantized = torch.empty(40, 96, dtype=torch.bfloat16)
         kernel.dequantize_rows(dequantized, weight.blocks, int(weight.fmt))
         want = F.linear(x, dequantized, bias)
-        monkeypatch.setattr(quantized_linear, "DEQUANTIZED_GEMM_WEIGHTS", 16 * 96)
-        monkeypatch.setattr(kernel, "quant_matmul", lambda *a: pytest.fail("quant_matmul ran"))
-    else:
-        want = run_matmul(kernel, x, blocks, weight.fmt, bias)
-    assert torch.equal(quant_linear(x.view(1, -1, 96), weight, bias).view(-1, 40), want)
-    fewer = x[:DEQUANTIZED_GEMM_MIN_ROWS - 1]  # one row fewer: the tiles
-    monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(kernel, "quant_matmul", lambda *a: pytest.fail("quant_matmul ran"))
+            assert torch.equal(quant_linear(x.view(1, -1, 96), weight, bias).view(-1, 40), want)
+    monkeypatch.setattr(quantized_linear, "dequantized_linear", lambda *a: pytest.fail("dequantized_linear ran"))
+    fewer = x[:DEQUANTIZED_GEMM_MIN_ROWS - 1]  # one row too few
     assert torch.equal(quant_linear(fewer, weight, bias), run_matmul(kernel, fewer, blocks, weight.fmt, bias))
+    monkeypatch.setattr(quantized_linear, "DEQUANTIZED_GEMM_MAX_WEIGHTS", 40 * 96 - 1)  # one weight too many
+    assert torch.equal(quant_linear(x, weight, bias), tiles)
+    if not kernel.amx_matmul():
+        assert torch.equal(quant_linear(x, weight, bias), tiles)
 
 
 def test_embedding_rows_dequantize_in_the_model_dtype() -> None:

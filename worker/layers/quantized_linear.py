@@ -25,11 +25,13 @@ Rules:
     rounding, at 1.4-1.5x the time of ``quant_matmul_q8`` (below). Where the CPU has AMX (the kernel's
     ``amx_matmul()``), bfloat16 rows go on its tiles, each weight rounded once to bfloat16 first: also for more
     rows of Q4_K and Q6_K (quant_gemm_k.cpp's ``quant_matmul``, AMX only);
-  - from ``DEQUANTIZED_GEMM_MIN_ROWS`` rows of bfloat16 x on a CPU with AMX (a prefill's chunk): the weight
-    dequantized to bfloat16 by the kernel (``dequantize_rows``, the same bits as `dequantize`), at most
-    ``DEQUANTIZED_GEMM_WEIGHTS`` at a time, and multiplied by ``F.linear`` (oneDNN's AMX GEMM): 2.3-2.5x faster than
-    ``quant_matmul``'s tiles at 2048 rows, level at 128 (``dequantized_linear``; figures below). The copy lives
-    for the call: nothing stays resident but the blocks;
+  - from ``DEQUANTIZED_GEMM_MIN_ROWS`` rows of bfloat16 x on a CPU with AMX (a prefill's chunk), for a weight of
+    at most ``DEQUANTIZED_GEMM_MAX_WEIGHTS``: the weight dequantized to bfloat16 by the kernel (``dequantize_rows``,
+    the same bits as `dequantize`) and multiplied by ``F.linear`` (oneDNN's AMX GEMM), 2.3-2.5x faster than
+    ``quant_matmul``'s tiles at 2048 rows (``dequantized_linear``; figures below). The copy lives for the call:
+    nothing stays resident but the blocks. Larger weights (an LM head, a 1B model's MLP) keep the tiles: oneDNN
+    lost there at every size measured (SmolLM2's 49152 x 576 LM head at 512 rows 51 ms against 32; 8192 x 2048
+    at 128 rows 15 against 5);
   - more rows of Q6_K (and of Q4_K without VNNI) without AMX, and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
     ``quant_gemm`` or ``quant_gemm_k``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's
     dtype (by the kernel's ``dequantize_rows`` where it is built, else in torch) and multiplied with
@@ -63,8 +65,9 @@ BLOCK = 32  # weights a block (of the 32-weight formats; `BlockFormat.block_weig
 # Intel Xeon with amx_bf16, 5 Dec 2026; Q4_K and Q6_K at K 768 / 1536), ms: Q4_1 64 rows 25.4 / 20.2, 128 rows
 # 34.2 / 35.7, 256 rows 51.6 / 63.3, 2048 rows 219 / 542; Q4_K 128 rows 46.8 / 57.2, 2048 rows 261 / 655; Q6_K
 # 128 rows 68.4 / 75.0, 2048 rows 273 / 645. The dequantization alone: 8.9 ms (Q4_1), 19.8 (Q4_K), 38.1 (Q6_K).
-DEQUANTIZED_GEMM_MIN_ROWS = 128
-DEQUANTIZED_GEMM_WEIGHTS = 1 << 23  # weights dequantized at a time (16 MiB of bfloat16: the LM head in parts)
+# By shape, Q4_1, 2 threads: 3072 x 576 at 128 rows 0.69 / 0.56 (the tiles win), at 512 rows 1.23 / 1.52.
+DEQUANTIZED_GEMM_MIN_ROWS = 256
+DEQUANTIZED_GEMM_MAX_WEIGHTS = 1 << 22  # 8 MiB of bfloat16: every projection of SmolLM2 (1.8M at most)
 KERNEL_MAX_ROWS = 8  # the int8 path's rows: it costs a row's products (~1.2 ms here) a row; quant_matmul beyond
 K_QUANT_KERNEL_MAX_ROWS = 16  # the k-quants' int8 path (no quant_matmul): at 16 rows 1.4-1.7x the tiles
 Q8_ACTIVATIONS = os.environ.get("REDSERVE_Q8_ACTIVATIONS", "0") == "1"  # many rows through quant_matmul_q8 (opt-in)
@@ -217,7 +220,8 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight | ShardedBlockWei
     kernel = None
     if rows.dtype in _KERNEL_DTYPES and rows.is_cpu and (bias is None or bias.dtype == rows.dtype):
         kernel = k_quants.quant_gemm_k_kernel() if k_quant else quant_gemm_kernel()
-    if kernel is not None and m >= DEQUANTIZED_GEMM_MIN_ROWS and rows.dtype == torch.bfloat16 and kernel.amx_matmul():
+    if (kernel is not None and m >= DEQUANTIZED_GEMM_MIN_ROWS and rows.dtype == torch.bfloat16
+            and weight.blocks.shape[0] * weight.in_features <= DEQUANTIZED_GEMM_MAX_WEIGHTS and kernel.amx_matmul()):
         out = dequantized_linear(rows, weight, bias, kernel)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
     q8 = kernel is not None and Q8_ACTIVATIONS and m > KERNEL_MAX_ROWS and fmt in _Q8_MATMUL_FORMATS and kernel.q8_matmul()
@@ -262,17 +266,10 @@ def bound_quant_linear(weight: BlockQuantizedWeight | ShardedBlockWeight, bias: 
 
 
 def dequantized_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None, kernel) -> torch.Tensor:
-    """``F.linear`` of 2-D x with the weight dequantized by ``kernel`` into x's dtype, ``DEQUANTIZED_GEMM_WEIGHTS`` at
-    a time (one part for every projection of a small model; the LM head of a large vocabulary in a few)."""
-    n, k = weight.shape
-    step = max(1, DEQUANTIZED_GEMM_WEIGHTS // k)
-    parts = []
-    for first in range(0, n, step):
-        last = min(n, first + step)
-        w = torch.empty(last - first, k, dtype=x.dtype)
-        kernel.dequantize_rows(w, weight.blocks[first:last], int(weight.fmt))
-        parts.append(F.linear(x, w, None if bias is None else bias[first:last]))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    """``F.linear`` of 2-D x with the weight dequantized by ``kernel`` into x's dtype for the call."""
+    w = torch.empty(weight.shape, dtype=x.dtype)
+    kernel.dequantize_rows(w, weight.blocks, int(weight.fmt))
+    return F.linear(x, w, bias)
 
 
 def tiled_linear(x: torch.Tensor, weight: BlockQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
