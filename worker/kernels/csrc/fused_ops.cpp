@@ -1,8 +1,8 @@
 // Fused CPU ops for the decoder layers: RMSNorm (optionally with the residual add folded in) and RoPE
 // applied in place to q and k. One call replaces the 5-12 torch ops (and their temporaries) each of
 // these takes, which is what they cost at small batch. float32 and bfloat16 only; the Python side
-// sends anything else to its torch path. SiLU-and-mul of the MLP is one pass over gate and up (exp eight
-// lanes at a time on AVX2), and the sampler's row-wise argmax (float32 only) sits beside them.
+// sends anything else to its torch path. SiLU-and-mul of the MLP is one pass over gate and up (exp sixteen
+// lanes at a time on AVX-512, eight on AVX2), and the sampler's row-wise argmax (float32 only) sits beside them.
 //
 // Rules: rounding follows the Hugging Face / PyTorch op sequence in the tensor's own dtype, so float32
 // agrees with the torch path up to summation order, and bfloat16 rounds at the same points: the norm
