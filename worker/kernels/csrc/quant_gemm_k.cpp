@@ -396,6 +396,7 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
   if (m == 0 || n == 0) return;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const auto decode = [&](int64_t col, uint16_t* row) {
+    redserve_amx::prefetch_next_block_row(w, col, n, row_bytes);
     alignas(64) float values[kSuper];
     for (int64_t sb = 0; sb < k / kSuper; ++sb) {
       const uint8_t* p = w + col * row_bytes + sb * block_bytes(f);
