@@ -156,12 +156,13 @@ inline __m512i bf16_bits16(__m512 v) {
 #if defined(__AVX512BF16__)
   // vcvtneps2bf16 rounds to nearest even as BFloat16::store does; only a NaN's payload may differ (a NaN stays one)
   return _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-#endif
+#else
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+#endif
 }
 
 template <typename S>
