@@ -288,3 +288,66 @@ def test_two_checkouts_with_the_same_sources_share_one_build(tmp_path: Path) -> 
         [so] = (tmp_path / "cache").glob("answer-*/answer.so")
         built.append(so.stat().st_mtime_ns)
     assert built[0] == built[1], "the second checkout rebuilt the extension"
+
+
+# The kernel as this CPU builds it and built again without AVX-512: on a CPU with AVX512-BF16 the native build decodes
+# a bfloat16 cache on its own path (vdpbf16ps scores, 16 keys a pass), so the AVX2 path stays checked too.
+DECODE_VARIANTS = {"native": None, "avx2": ("-mno-avx512f",)}
+
+
+@pytest.fixture(scope="module", params=list(DECODE_VARIANTS))
+def decode_kernel(request):
+    cflags = DECODE_VARIANTS[request.param]
+    module = KERNEL if cflags is None else build.load_extension("paged_attention_avx2", (build.CSRC / "paged_attention.cpp",), cflags)
+    if module is None:
+        pytest.skip(f"the paged-attention kernel ({request.param}) does not build here")
+    return module
+
+
+def decode_reference(q, cache, tables, contexts, block_size, window, softcap) -> torch.Tensor:
+    """Float64 decode attention of each row over its sequence's cached keys."""
+    heads, kv_heads, dim = q.shape[1], cache.shape[2], q.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s, context in enumerate(contexts.tolist()):
+        positions = torch.arange(context)
+        slots = tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys, values = cache[0, slots].double(), cache[1, slots].double()
+        visible = positions > context - 1 - window if window else torch.ones(context, dtype=torch.bool)
+        for h in range(heads):
+            scores = keys[:, h * kv_heads // heads] @ q[s, h].double() * dim ** -0.5
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=0)
+            out[s, h] = probs @ values[:, h * kv_heads // heads]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize(("group", "dim", "block_size", "window", "softcap"), [
+    (3, 64, 16, 0, 0.0),    # SmolLM2's heads
+    (1, 64, 16, 0, 0.0),
+    (2, 128, 8, 0, 0.0),    # blocks smaller than the 16 keys of a pass
+    (4, 96, 32, 0, 0.0),    # 32 dims a value pass; two passes a block
+    (6, 64, 16, 23, 0.0),   # rows accumulated 4 + 2; a window that starts mid-block
+    (16, 32, 16, 0, 30.0),  # the widest group the path serves, with softcap
+    (20, 64, 16, 0, 0.0),   # wider than that: the AVX2 path
+    (2, 40, 16, 0, 0.0),    # not a multiple of 32: the AVX2 path
+])
+def test_bfloat16_decode_matches_float64(decode_kernel, group: int, dim: int, block_size: int, window: int,
+                                         softcap: float) -> None:
+    gen, rng = torch.Generator().manual_seed(group * dim + block_size), random.Random(dim)
+    kv_heads, contexts = 2, [1, 15, 16, 17, 33, 100, 161]
+    blocks = [-(-c // block_size) for c in contexts]
+    pool = list(range(sum(blocks) + 5))
+    rng.shuffle(pool)
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+    for s, part in enumerate(split(pool, blocks)):
+        tables[s, :len(part)] = torch.tensor(part, dtype=torch.int32)
+    cache = (torch.randn(2, len(pool) * block_size, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
+    q = (torch.randn(len(contexts), kv_heads * group, dim, generator=gen) * 2).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    rows = torch.arange(len(contexts), dtype=torch.int32)
+    decode_kernel.paged_attention(out, q, cache[0], cache[1], tables, rows, torch.ones_like(rows),
+                                  torch.tensor(contexts, dtype=torch.int32), block_size, dim ** -0.5, window, softcap)
+    expected = decode_reference(q, cache, tables, torch.tensor(contexts), block_size, window, softcap)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)

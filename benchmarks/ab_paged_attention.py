@@ -1,0 +1,88 @@
+"""Decode attention of two builds of the paged-attention kernel, interleaved, over every layer's cache of a model.
+
+    python benchmarks/ab_paged_attention.py DIR_A DIR_B [--batch 64] [--context 200] [--shape 9,3,64,30]
+                                            [--dtype bfloat16] [--threads 2] [--hot]
+
+DIR_A and DIR_B each hold a ``paged_attention.cpp`` (and the headers it includes), e.g. a copy of
+``worker/kernels/csrc`` before a change and the tree after it. Each round times one decode step's attention over
+``L`` layers (one call per layer, as the engine makes them) with A, then with B; the medians of 15 rounds are
+printed with the KV bytes read per second and the largest difference between A's and B's outputs.
+
+``--shape`` is heads, KV heads, head dim, layers (default SmolLM2-135M's: 9, 3, 64, 30; the tiny test model is
+8,4,64,8). The blocks of each sequence sit at random places in the pool, as they do in a served cache. Each layer has
+a cache of its own, so the caches come from DRAM as in the engine; ``--hot`` makes every layer share one cache,
+which then stays in L2/L3 (the kernel's compute alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker.kernels import build  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir_a", type=Path)
+    parser.add_argument("dir_b", type=Path)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--shape", default="9,3,64,30", help="heads,kv_heads,head_dim,layers")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hot", action="store_true", help="one cache shared by every layer (stays in cache)")
+    args = parser.parse_args()
+    heads, kv_heads, dim, layers = (int(x) for x in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    kernels = [build.load_extension(f"ab_{tag}_paged_attention", (folder / "paged_attention.cpp",))
+               for tag, folder in (("a", args.dir_a), ("b", args.dir_b))]
+    if None in kernels:
+        raise SystemExit("a build failed (its error is above)")
+
+    rng = random.Random(0)
+    blocks = -(-args.context // BLOCK_SIZE)
+    pool = list(range(args.batch * blocks + 8))
+    rng.shuffle(pool)
+    slots = len(pool) * BLOCK_SIZE
+    caches = [torch.randn(2, slots, kv_heads, dim).to(dtype) for _ in range(1 if args.hot else layers)]
+    caches = caches * layers if args.hot else caches
+    tables = torch.tensor([pool[i * blocks:(i + 1) * blocks] for i in range(args.batch)], dtype=torch.int32)
+    starts, lens = torch.arange(args.batch, dtype=torch.int32), torch.ones(args.batch, dtype=torch.int32)
+    contexts = torch.tensor([args.context - rng.randrange(0, BLOCK_SIZE) for _ in range(args.batch)],
+                            dtype=torch.int32)
+    q = torch.randn(args.batch, heads, dim).to(dtype)
+    outs = [torch.empty_like(q), torch.empty_like(q)]
+    torch.set_num_threads(args.threads)
+
+    def step_ms(i: int) -> float:
+        start = time.perf_counter()
+        for cache in caches:
+            kernels[i].paged_attention(outs[i], q, cache[0], cache[1], tables, starts, lens, contexts, BLOCK_SIZE,
+                                       dim ** -0.5, 0, 0.0)
+        return (time.perf_counter() - start) * 1e3
+
+    times: list[list[float]] = [[], []]
+    for _ in range(15):
+        for i in (0, 1):
+            times[i].append(step_ms(i))
+    mb = float(contexts.sum()) * kv_heads * dim * 2 * dtype.itemsize * layers / 1e6
+    a, b = (statistics.median(t) for t in times)
+    diff = float((outs[0].float() - outs[1].float()).abs().max())
+    print(f"batch {args.batch} x context {args.context}, heads {heads}/{kv_heads} x {dim}, {layers} layers, "
+          f"{args.dtype}, {args.threads} threads{', hot' if args.hot else ''}: {mb:.0f} MB of KV a step")
+    print(f"A {a:.2f} ms ({mb / a:.1f} GB/s)  B {b:.2f} ms ({mb / b:.1f} GB/s)  B/A {b / a:.3f}  "
+          f"max |A - B| {diff:.1e}")
+
+
+if __name__ == "__main__":
+    main()
