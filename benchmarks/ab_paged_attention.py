@@ -11,7 +11,8 @@ printed with the KV bytes read per second and the largest difference between A's
 ``--shape`` is heads, KV heads, head dim, layers (default SmolLM2-135M's: 9, 3, 64, 30; the tiny test model is
 8,4,64,8). The blocks of each sequence sit at random places in the pool, as they do in a served cache. Each layer has
 a cache of its own, so the caches come from DRAM as in the engine; ``--hot`` makes every layer share one cache,
-which then stays in L2/L3 (the kernel's compute alone).
+which then stays in L2/L3 (the kernel's compute alone); ``--spread`` draws each sequence's context from
+[context / 2, 3 * context / 2], as in a served batch whose requests arrived at different times.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hot", action="store_true", help="one cache shared by every layer (stays in cache)")
+    parser.add_argument("--spread", action="store_true",
+                        help="contexts uniform in [context / 2, 3 * context / 2] (a served batch's mix)")
     args = parser.parse_args()
     heads, kv_heads, dim, layers = (int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
@@ -50,7 +53,8 @@ def main() -> None:
         raise SystemExit("a build failed (its error is above)")
 
     rng = random.Random(0)
-    blocks = -(-args.context // BLOCK_SIZE)
+    longest = args.context * 3 // 2 if args.spread else args.context
+    blocks = -(-longest // BLOCK_SIZE)
     pool = list(range(args.batch * blocks + 8))
     rng.shuffle(pool)
     slots = len(pool) * BLOCK_SIZE
@@ -58,7 +62,8 @@ def main() -> None:
     caches = caches * layers if args.hot else caches
     tables = torch.tensor([pool[i * blocks:(i + 1) * blocks] for i in range(args.batch)], dtype=torch.int32)
     starts, lens = torch.arange(args.batch, dtype=torch.int32), torch.ones(args.batch, dtype=torch.int32)
-    contexts = torch.tensor([args.context - rng.randrange(0, BLOCK_SIZE) for _ in range(args.batch)],
+    contexts = torch.tensor([rng.randint(args.context // 2, longest) if args.spread
+                             else args.context - rng.randrange(0, BLOCK_SIZE) for _ in range(args.batch)],
                             dtype=torch.int32)
     q = torch.randn(args.batch, heads, dim).to(dtype)
     outs = [torch.empty_like(q), torch.empty_like(q)]
@@ -79,7 +84,7 @@ def main() -> None:
     a, b = (statistics.median(t) for t in times)
     diff = float((outs[0].float() - outs[1].float()).abs().max())
     print(f"batch {args.batch} x context {args.context}, heads {heads}/{kv_heads} x {dim}, {layers} layers, "
-          f"{args.dtype}, {args.threads} threads{', hot' if args.hot else ''}: {mb:.0f} MB of KV a step")
+          f"{args.dtype}, {args.threads} threads{', hot' if args.hot else ''}{', spread' if args.spread else ''}: {mb:.0f} MB of KV a step")
     print(f"A {a:.2f} ms ({mb / a:.1f} GB/s)  B {b:.2f} ms ({mb / b:.1f} GB/s)  B/A {b / a:.3f}  "
           f"max |A - B| {diff:.1e}")
 

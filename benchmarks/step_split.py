@@ -85,6 +85,7 @@ def labels(llm) -> Iterator[None]:
     for cls in _attention_classes(runner.model):
         patch(cls, "forward" if issubclass(cls, nn.Module) else "__call__", "attention")
     patch(type(runner.sampler), "__call__", "sampler")
+    patch(type(runner.sampler), "sample", "sampler")  # what the runner calls (submit_step)
     for attr in ("update", "prepare", "sampling_batch"):
         patch(runner.input_batch, attr, "input prep")
     for attr in ("execute_model", "submit_step", "collect_step"):  # the step runs submit + collect

@@ -36,12 +36,16 @@
 // SmolLM2's heads (9 / 3, d 64) batch 64 x 200 context 27.6-30.2 -> 25.6-28.6 ms for 30 layers (caches from DRAM,
 // about 11 GB/s, where the step is bound), 12-17% faster with the caches in L2/L3; the tiny model's (8 / 4) 7.5 ->
 // 6.6 ms for 8 layers; batch 1 x 300 1.07 -> 0.97 ms.
+//
+// Threads take tasks one at a time from a shared counter, the longest first (context x queries x heads), instead
+// of a fixed half each: the same A/B, 2.5-3.6% faster at batch 64 with contexts alike or spread over 100-300.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -723,6 +727,11 @@ std::vector<Task> make_tasks(const at::Tensor& query_lens, int64_t kv_heads) {
   return tasks;
 }
 
+// A task's work, about: the keys it reads times the query rows that read them.
+inline int64_t task_cost(const Task& t, const int32_t* context_lens) {
+  return static_cast<int64_t>(context_lens[t.seq]) * t.count * (t.head_end - t.head_begin);
+}
+
 void check_int32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.stride(-1) == 1, name,
               " must be an int32 CPU tensor, contiguous in its last dim");
@@ -751,7 +760,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   const Shape shape{heads, kv_heads, heads / kv_heads, q.size(2), block_size, window,
                     static_cast<float>(scale), static_cast<float>(softcap)};
-  const std::vector<Task> tasks = make_tasks(query_lens, kv_heads);
+  std::vector<Task> tasks = make_tasks(query_lens, kv_heads);
+  const int32_t* contexts = context_lens.data_ptr<int32_t>();
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {  // the longest first
+    return task_cost(a, contexts) > task_cost(b, contexts);
+  });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const Views<scalar_t> views{q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                 v_cache.data_ptr<scalar_t>(), q.stride(0), q.stride(1), out.stride(0),
@@ -759,13 +772,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                                 block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                                 query_start.data_ptr<int32_t>(), query_lens.data_ptr<int32_t>(),
                                 context_lens.data_ptr<int32_t>()};
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::atomic<size_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {  // each thread takes the next task until none is left
       Scratch scratch(kQueryTile * shape.heads, shape.dim, block_size);
-      for (int64_t i = begin; i < end; ++i) {
-        if (tasks[i].count == 1 && views.query_lens[tasks[i].seq] == 1) {
-          if (!run_decode_task_native(tasks[i], views, shape, scratch)) run_decode_task(tasks[i], views, shape, scratch);
+      for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < tasks.size();) {
+        const Task& task = tasks[i];
+        if (task.count == 1 && views.query_lens[task.seq] == 1) {
+          if (!run_decode_task_native(task, views, shape, scratch)) run_decode_task(task, views, shape, scratch);
         } else {
-          run_task(tasks[i], views, shape, scratch);
+          run_task(task, views, shape, scratch);
         }
       }
     });
