@@ -17,8 +17,12 @@
 // tile goes out through a small buffer, transposed in registers (`transpose16`: its columns are out's rows), plus
 // the bias, rounded once. The transpose replaced a gather down each column: bit-identical, SmolLM2's weights
 // once at 64 bfloat16 rows 6-8% faster (Q8_0 30.4 -> 28.6 ms, Q4_1 28.9 -> 26.6), 128 rows 9%, 16 rows 1.5%,
-// Q4_K 64 rows 2.6% (interleaved A/B, 2-core Xeon VM with AMX, 5 Dec 2026). Column blocks split over torch's threads; each output is one thread's sum in one k order,
-// so the bits do not depend on the thread count.
+// Q4_K 64 rows 2.6% (interleaved A/B, 2-core Xeon VM with AMX, 5 Dec 2026). x is packed on the calling thread with
+// the same transpose (16 rows by 16 pairs at a time): it was a 4-byte copy a pair, split over threads in a parallel
+// region of its own, and took a quarter of the call at 64 rows: SmolLM2's weights once, bit-identical, 64 rows
+// 31.3 -> 24.0 ms (Q4_1), 33.6 -> 25.6 (Q8_0), 128 rows 53.0 -> 45.2 (Q8_0), Q4_K 64 rows 19.7 -> 18.9, 16 rows
+// unchanged. Column blocks split over torch's threads; each output is one thread's sum in one k order, so the
+// bits do not depend on the thread count.
 //
 // Rules: compiled only where the compiler targets AMX-TILE, AMX-BF16 and AVX-512 BF16, BW, VL (-march=native on such a
 // CPU: REDSERVE_AMX_BF16); the caller checks `permitted()` and keeps another path for when it is false. K is a
@@ -38,7 +42,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace redserve_amx {
@@ -77,17 +83,6 @@ inline void configure() {
 constexpr int64_t kK = 32;             // k a tile row: 32 bfloat16
 constexpr int64_t kColsPerBlock = 64;  // W's rows decoded together (a multiple of the micro-tile's 32)
 constexpr int64_t kMinProductsPerTask = 1 << 16;
-
-// x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
-inline std::vector<uint32_t> pack_pairs(const at::BFloat16* x, int64_t m, int64_t k, int64_t tiles) {
-  std::vector<uint32_t> xp(tiles * (k / 2) * kRows, 0u);
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t)
-      for (int64_t r = t * kRows; r < std::min(m, (t + 1) * kRows); ++r)
-        for (int64_t p = 0; p < k / 2; ++p) std::memcpy(&xp[(t * (k / 2) + p) * kRows + r % kRows], x + r * k + 2 * p, 4);
-  });
-  return xp;
-}
 
 // Tiles: 0 = (W rows 0-15, x tile 0), 1 = (0-15, x tile 1), 2 = (16-31, 0), 3 = (16-31, 1); 4, 5 W; 6, 7 x.
 template <int XT>
@@ -134,9 +129,8 @@ inline void prefetch_next_block_row(const uint8_t* blocks, int64_t col, int64_t 
 // out[k] = column k of a 16 x 16 float32 tile stored row by row (t[i * 16 + k]): 64 shuffles where 16 gathers
 // were. Rows in pairs (unpack of 32-bit, then of 64-bit halves) leave, in 128-bit lane L of u[g][j], rows 4g..4g+3
 // at column 4L + j; a 4 x 4 transpose of lanes across u[0..3][j] then puts column 4L + j together.
-inline void transpose16(const float* t, __m512 out[16]) {
-  __m512 r[16], p[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(t + 16 * i);
+inline void transpose16(const __m512 r[16], __m512 out[16]) {
+  __m512 p[16];
   for (int i = 0; i < 8; ++i) {
     p[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
     p[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -160,13 +154,42 @@ inline void transpose16(const float* t, __m512 out[16]) {
   }
 }
 
+inline void transpose16(const float* t, __m512 out[16]) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(t + 16 * i);
+  transpose16(r, out);
+}
+
+// x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
+// Each 16 rows x 16 pairs is one 16 x 16 transpose of 32-bit lanes (transpose16), on the calling thread: a few
+// microseconds at 64 rows, less than a parallel region's start (it was a 4-byte copy a pair over threads).
+using PackedRows = std::unique_ptr<uint32_t[], decltype(&std::free)>;
+
+inline PackedRows pack_pairs(const at::BFloat16* x, int64_t m, int64_t k, int64_t tiles) {
+  const int64_t pairs = k / 2;  // a multiple of 16: the buffer's size is one of 64 bytes
+  PackedRows xp(static_cast<uint32_t*>(std::aligned_alloc(64, tiles * pairs * kRows * sizeof(uint32_t))), &std::free);
+  TORCH_CHECK(xp, "out of memory packing x for the AMX tiles");
+  const auto* rows = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t live = std::min(kRows, m - t * kRows);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      __m512 in[16], out[16];
+      for (int64_t i = 0; i < 16; ++i)
+        in[i] = i < live ? _mm512_castsi512_ps(_mm512_loadu_si512(rows + (t * kRows + i) * pairs + p0)) : _mm512_setzero_ps();
+      transpose16(in, out);
+      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(reinterpret_cast<float*>(xp.get() + ((t * pairs) + p0 + j) * kRows), out[j]);
+    }
+  }
+  return xp;
+}
+
 // `decode_row(col, w)` writes W's row col (K bfloat16 bits) to w.
 template <class DecodeRow>
 void matmul(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* bias, int64_t m, int64_t k, int64_t n,
             const DecodeRow& decode_row) {
   constexpr int64_t R = kRows, kMicroCols = 2 * R;
   const int64_t tiles = (m + R - 1) / R;
-  const std::vector<uint32_t> xp = pack_pairs(x, m, k, tiles);
+  const PackedRows xp = pack_pairs(x, m, k, tiles);
   const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
   const int64_t grain = std::max<int64_t>(1, kMinProductsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
   at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
@@ -181,7 +204,7 @@ void matmul(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* bias, 
       for (int64_t wc = 0; wc < padded; wc += kMicroCols) {
         for (int64_t t = 0; t < tiles; t += 2) {
           const int64_t xt = std::min<int64_t>(2, tiles - t);
-          const uint32_t* x0 = xp.data() + t * (k / 2) * R;
+          const uint32_t* x0 = xp.get() + t * (k / 2) * R;
           if (xt == 2) {
             micro_tile<2>(c, w.data() + wc * k, k, x0, x0 + (k / 2) * R);
           } else {
