@@ -425,12 +425,13 @@ inline void prefetch_line(const char* p) {
 #endif
 }
 
-// Blocks sit anywhere in the pool: fetch the K/V rows of the task's heads in the next block while this one runs.
+// The K/V rows of KV heads [head_begin, head_begin + heads) in slots [slot0, slot0 + n). Blocks sit anywhere in
+// the pool, so no hardware prefetcher sees the next one coming: a task fetches it while it works on this one.
 template <typename T>
-inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int64_t bs) {
-  const int64_t row_bytes = (t.head_end - t.head_begin) * w.kv_head * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < bs; ++j) {
-    const int64_t row = (block * bs + j) * w.kv_slot + t.head_begin * w.kv_head;
+inline void prefetch_rows(const Views<T>& w, int64_t slot0, int64_t n, int64_t head_begin, int64_t heads) {
+  const int64_t row_bytes = heads * w.kv_head * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = (slot0 + j) * w.kv_slot + head_begin * w.kv_head;
     const char* kr = reinterpret_cast<const char*>(w.k + row);
     const char* vr = reinterpret_cast<const char*>(w.v + row);
     for (int64_t off = 0; off < row_bytes; off += 64) {
@@ -440,24 +441,16 @@ inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int6
   }
 }
 
-// The next block's K/V rows of one KV head (n slots from slot0). The bfloat16 decode path fetches the next block a
-// head at a time, after each head's pass over this block, instead of all of it at once before the first
-// (benchmarks/ab_paged_attention.py, caches from DRAM): SmolLM2's heads at batch 64 x 200 3-4% faster with two
-// threads, 5% with one; the tiny model's (--spread) 11%. Without any prefetch: 1.4x slower; two blocks ahead: 2-5%
-// slower than one.
+// All of a task's heads in one block.
 template <typename T>
-inline void prefetch_head_rows(const Views<T>& w, int64_t slot0, int64_t n, int64_t head, int64_t d) {
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = (slot0 + j) * w.kv_slot + head * w.kv_head;
-    const char* kr = reinterpret_cast<const char*>(w.k + row);
-    const char* vr = reinterpret_cast<const char*>(w.v + row);
-    for (int64_t off = 0; off < row_bytes; off += 64) {
-      prefetch_line(kr + off);
-      prefetch_line(vr + off);
-    }
-  }
+inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int64_t bs) {
+  prefetch_rows(w, block * bs, bs, t.head_begin, t.head_end - t.head_begin);
 }
+
+// The bfloat16 decode path fetches the next block a KV head at a time (prefetch_rows of one head), after each
+// head's pass over this block, instead of all of it at once before the first (benchmarks/ab_paged_attention.py,
+// caches from DRAM): SmolLM2's heads at batch 64 x 200 3-4% faster with two threads, 5% with one; the tiny
+// model's (--spread) 11%. Without any prefetch: 1.4x slower; two blocks ahead: 2-5% slower than one.
 
 // Scratch of one thread, sized once per parallel chunk: queries, accumulators, scores of one block.
 struct Scratch {
@@ -696,7 +689,7 @@ void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Sh
           l[g] = l[g] * correction[g] + _mm512_reduce_add_ps(pr);
           _mm512_store_ps(p + g * 16, pr);
         }
-        if (next_slot >= 0 && j0 + 16 >= end) prefetch_head_rows(w, next_slot, bs, t.head_begin + h, d);
+        if (next_slot >= 0 && j0 + 16 >= end) prefetch_rows(w, next_slot, bs, t.head_begin + h, 1);
         const auto* values = storage(w.v + slot0 * w.kv_slot + (t.head_begin + h) * w.kv_head);
         if (d % 64 == 0) {
           accumulate_rows_bf16<64>(s.group, x.acc.data() + r0 * d, d, p, 16, correction, values, w.kv_slot, m);
