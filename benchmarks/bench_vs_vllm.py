@@ -3,7 +3,7 @@
     python benchmarks/bench_vs_vllm.py [--model DIR|FILE.gguf | --smollm2 [Q4_1|Q8_0]]
         [--dtype float32|bfloat16|best] [--systems redserve,vllm,llamacpp] [--cases c1,c16,c64,prefill]
         [--num-prompts N] [--json FILE] [--redserve-cmd "PYTHON -m redserve.cli"] [--vllm-venv DIR]
-        [--llamacpp-dir DIR] [--llamacpp-threads N] [--rounds N]
+        [--llamacpp-dir DIR] [--llamacpp-threads N] [--rounds N] [--variant NAME:KEY=VALUE[,KEY=VALUE]]
 
 Installs vLLM's CPU build into its own venv on first use (``benchmarks/vllm_venv.py``; default
 ~/.cache/redserve/vllm-venv), then serves the model with ``redserve serve`` and with ``vllm serve``,
@@ -37,6 +37,10 @@ Rules:
 - llama.cpp: ``llama-server -m FILE -np SLOTS -c SLOTS*PER_SLOT -t THREADS``: one server for every case, so
   SLOTS is the largest concurrency of the cases, and each slot holds the longest case (PER_SLOT: its input +
   output, rounded up to 256; 16384 tokens for c64). THREADS defaults to the CPU count, as redserve's.
+- ``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds one more redserve server, ``redserve:NAME``,
+  with that environment on top of ``--redserve-env`` (e.g. ``--variant spin:GOMP_SPINCOUNT=10000``). With
+  ``--rounds`` it is measured interleaved with the others, so two redserve configurations are compared in one
+  sitting, each against the same vLLM / llama.cpp rounds.
 - Every case checks the output tokens each server reports (usage) against requests x output length, and
   warns when they differ.
 """
@@ -103,10 +107,15 @@ def native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def is_redserve(system: str) -> bool:
+    """``redserve`` or one of its ``--variant``s (``redserve:NAME``)."""
+    return system == "redserve" or system.startswith("redserve:")
+
+
 def system_dtype(system: str, dtype: str) -> str:
     if dtype != "best":
         return dtype
-    if system == "redserve":
+    if is_redserve(system):
         return "auto"
     return "bfloat16" if native_bf16() else "float32"
 
@@ -219,10 +228,11 @@ def server_spec(system: str, args: argparse.Namespace, model: Model, cases: list
     port = free_port()
     dtype = system_dtype(system, args.dtype)
     path = model.for_system(system)
-    if system == "redserve":
+    if is_redserve(system):
         spec = redserve_spec(args.redserve_cmd, path, dtype, port, SERVED_NAME, args.max_model_len,
                              args.redserve_args)
         spec.env.update(args.redserve_env)
+        spec.env.update(args.variants.get(system, {}))
         return spec
     if system == "llamacpp":
         return llamacpp_spec(args.llamacpp_bin, path, port, SERVED_NAME, *llamacpp_slots(cases),
@@ -287,17 +297,18 @@ def bench_interleaved(args: argparse.Namespace, model: Model, cases: list[Case])
 
 
 def round_ratios(results: dict[str, dict], cases: list[str]) -> str:
-    """Per case and other system, redserve/other output tok/s of each round (pairs measured back to back)."""
+    """Per case, each redserve (and variant) against each other system: output tok/s ratio of each round (pairs
+    measured back to back)."""
     lines = []
     for case in cases:
-        for other in SYSTEMS[1:]:
+        for mine, other in ((m, o) for m in results if is_redserve(m) for o in SYSTEMS[1:]):
             try:
-                ours, theirs = results["redserve"]["cases"][case]["rounds"], results[other]["cases"][case]["rounds"]
+                ours, theirs = results[mine]["cases"][case]["rounds"], results[other]["cases"][case]["rounds"]
             except KeyError:
                 continue
             per_round = [ratio(a["output_tok_per_s"], b["output_tok_per_s"])
                          for a, b in zip(ours, theirs, strict=True)]
-            lines.append(f"{case}: redserve/{SYSTEM_NAMES[other]} out tok/s by round " +
+            lines.append(f"{case}: {mine}/{SYSTEM_NAMES[other]} out tok/s by round " +
                          ", ".join(f"{r:.2f}" for r in per_round) +
                          f" (min {min(per_round):.2f}, max {max(per_round):.2f})")
     return "\n".join(lines)
@@ -318,9 +329,9 @@ def format_table(results: dict[str, dict], cases: list[str]) -> str:
             label = f"{system} ({results[system].get('format', results[system]['dtype'])})"
             failed = f" ({report['failed']} failed)" if report.get("failed") else ""
             lines.append(f"| {case} | {label}{failed} | " + " | ".join(cells) + " |")
-        for other in (s for s in SYSTEMS[1:] if s in rows and "redserve" in rows):
-            cells = [f"{ratio(rows['redserve'][key], rows[other][key]):.2f}" for key, _, _ in COLUMNS]
-            lines.append(f"| {case} | **redserve/{SYSTEM_NAMES[other]}** | " + " | ".join(cells) + " |")
+        for mine, other in ((m, o) for m in rows if is_redserve(m) for o in SYSTEMS[1:] if o in rows):
+            cells = [f"{ratio(rows[mine][key], rows[other][key]):.2f}" for key, _, _ in COLUMNS]
+            lines.append(f"| {case} | **{mine}/{SYSTEM_NAMES[other]}** | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -348,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redserve-args", default="--no-batch-worker", help="extra `redserve serve` arguments")
     p.add_argument("--redserve-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment for `redserve serve` only (repeatable), e.g. OMP_NUM_THREADS=1")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="one more redserve server, redserve:NAME, with this environment on top of --redserve-env "
+                        "(repeatable), e.g. spin:GOMP_SPINCOUNT=10000")
     p.add_argument("--vllm-venv", type=Path, default=default_venv())
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments")
     p.add_argument("--llamacpp-dir", type=Path, default=default_root(),
@@ -368,6 +382,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad := [e for e in args.redserve_env if "=" not in e]:
         p.error(f"--redserve-env wants KEY=VALUE, got {bad}")
     args.redserve_env = dict(e.split("=", 1) for e in args.redserve_env)
+    args.variants = {}
+    for variant in args.variant:
+        name, _, env = variant.partition(":")
+        pairs = [e for e in env.split(",") if e]
+        if not name or not pairs or any("=" not in e for e in pairs) or f"redserve:{name}" in args.variants:
+            p.error(f"--variant wants a new NAME:KEY=VALUE[,KEY=VALUE...], got {variant!r}")
+        args.variants[f"redserve:{name}"] = dict(e.split("=", 1) for e in pairs)
+    args.systems += list(args.variants)
     if "llamacpp" in args.systems and not (args.smollm2 or str(args.model or "").lower().endswith(".gguf")):
         p.error("llamacpp serves GGUF files only: pass --model FILE.gguf or --smollm2")
     return args

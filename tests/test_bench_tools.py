@@ -25,12 +25,14 @@ from benchmarks.bench_servers import (  # noqa: E402
 )
 from benchmarks.bench_vs_vllm import (  # noqa: E402
     CASES,
+    Model,
     format_table,
     llamacpp_slots,
     median_report,
     parse_args,
     redserve_quantization,
     round_ratios,
+    server_spec,
 )
 from benchmarks.llamacpp_build import CMAKE_OPTIONS, cmake_options, cpu_key, cpu_summary  # noqa: E402
 from benchmarks.perplexity import chunks, parse_llama_perplexity, perplexity, scored_logprobs  # noqa: E402
@@ -325,3 +327,26 @@ def test_bench_gpu_refuses_unknown_options() -> None:
     with pytest.raises(SystemExit):
         bench_gpu_main(["--no-such-option"])
 
+
+
+def test_a_variant_is_one_more_redserve_with_its_own_environment_and_ratio_rows() -> None:
+    args = parse_args(["--variant", "spin:GOMP_SPINCOUNT=10000,OMP_WAIT_POLICY=passive",
+                       "--redserve-env", "OMP_NUM_THREADS=2"])
+    assert args.systems == ["redserve", "vllm", "redserve:spin"]
+    assert args.variants == {"redserve:spin": {"GOMP_SPINCOUNT": "10000", "OMP_WAIT_POLICY": "passive"}}
+    spec = server_spec("redserve:spin", args, Model("/m", "/m"), [])
+    assert spec.env["GOMP_SPINCOUNT"] == "10000" and spec.env["OMP_NUM_THREADS"] == "2"
+    assert "GOMP_SPINCOUNT" not in server_spec("redserve", args, Model("/m", "/m"), []).env
+    for bad in ("spin", ":A=1", "spin:A", "spin:"):
+        with pytest.raises(SystemExit):
+            parse_args(["--variant", bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--variant", "a:X=1", "--variant", "a:Y=2"])
+    med = {s: median_report([_report(v, 30.0)]) for s, v in (("redserve", 600.0), ("redserve:spin", 660.0),
+                                                             ("vllm", 400.0))}
+    results = {s: {"dtype": "float32", "cases": {"c64": m}} for s, m in med.items()}
+    assert round_ratios(results, ["c64"]).splitlines() == [
+        "c64: redserve/vLLM out tok/s by round 1.50 (min 1.50, max 1.50)",
+        "c64: redserve:spin/vLLM out tok/s by round 1.65 (min 1.65, max 1.65)"]
+    table = format_table(results, ["c64"])
+    assert "| c64 | **redserve/vLLM** | 1.50 |" in table and "| c64 | **redserve:spin/vLLM** | 1.65 |" in table

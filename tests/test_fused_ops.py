@@ -203,6 +203,19 @@ def test_argmax_kernel_matches_torch(ops, vocab) -> None:
     assert torch.equal(out, x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 9, 8192, 49152])
+def test_bfloat16_argmax_kernel_is_its_float32_copys(ops, vocab) -> None:
+    """bfloat16 logits (a greedy batch's, left in the model's dtype) widen exactly, so the row's answer is the
+    float32 copy's, ties included (bfloat16 rounding makes many)."""
+    x = (torch.randn(13, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).bfloat16()
+    x[0, vocab // 2] = x[0, vocab - 1] = 100.0  # a tie: the first index wins
+    x[1, vocab - 1] = float("nan")
+    out = torch.empty(13, dtype=torch.int64)
+    ops.argmax_rows(out, x)
+    assert torch.equal(out, x.float().argmax(dim=-1))
+    assert out[0] == (vocab // 2 if vocab > 1 else 0) and out[1] == vocab - 1
+
+
 def test_argmax_kernel_ties_nan_and_infinities(ops) -> None:
     x = torch.randn(6, 21)
     x[0, 3] = x[0, 17] = 50.0  # a tie: the first index wins

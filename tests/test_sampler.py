@@ -53,6 +53,18 @@ def test_greedy_is_argmax(sampler: Sampler) -> None:
     assert out == logits.argmax(-1).tolist()
 
 
+def test_a_plain_greedy_batch_takes_the_logits_in_their_own_dtype(sampler: Sampler) -> None:
+    """Greedy rows with nothing else reading the logits skip the float32 copy (the runner asks the model for
+    logits in its dtype then): the same tokens as the widened logits', on a batch with many bfloat16 ties."""
+    logits = (random_logits(8, seed=4) * 3).bfloat16()
+    batch = make_batch(8, temperature=0.0)
+    assert batch.plain_greedy
+    assert tokens(sampler, logits, batch) == logits.float().argmax(-1).tolist()
+    for other in (make_batch(8, temperature=0.5), make_batch(8, temperature=0.0, num_logprobs=[1] * 8),
+                  make_batch(8, temperature=0.0, repetition_penalty=[1.2] * 8)):
+        assert not other.plain_greedy
+
+
 def test_top_k_1_equals_greedy(sampler: Sampler) -> None:
     logits = random_logits(6, seed=2, scale=0.3)  # flat enough that plain sampling would wander
     for seed in range(5):
@@ -205,6 +217,34 @@ def test_top_k_1_through_engine_equals_greedy(llm: LLM) -> None:
     greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     top1 = llm.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True))
     assert [g.outputs[0].token_ids for g in greedy] == [t.outputs[0].token_ids for t in top1]
+
+
+def test_a_greedy_bfloat16_batch_samples_the_lm_heads_own_logits(tiny_llama_dir: str) -> None:
+    """bfloat16, greedy, nothing else reading the logits: the sampler gets the LM head's bfloat16 logits (no
+    float32 copy of [rows, vocab] a step) and picks the tokens the widened logits pick; a batch with a row that
+    wants logprobs gets float32 logits again."""
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", block_size=16, num_kv_blocks=128)
+    try:
+        runner = llm.engine.executor.runner
+        seen: list[tuple[torch.dtype, bool]] = []
+        sample = runner.sampler.sample
+
+        def spy(logits, batch):
+            seen.append((logits.dtype, batch.plain_greedy))
+            if logits.dtype == torch.bfloat16:  # what the float32 path would have picked
+                assert sample(logits.float(), batch).tokens() == sample(logits, batch).tokens()
+            return sample(logits, batch)
+
+        runner.sampler.sample = spy
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        llm.generate(PROMPTS, greedy)
+        assert seen and set(seen) == {(torch.bfloat16, True)}
+        seen.clear()
+        llm.generate(PROMPTS, [greedy, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+                               greedy])
+        assert (torch.float32, False) in seen and all(dtype == torch.float32 for dtype, plain in seen if not plain)
+    finally:
+        llm.shutdown()
 
 
 # --- the vectorised paths against per-row references --------------------------------------------------------

@@ -223,13 +223,13 @@ class ModelRunner:
             self._accumulate_prompt_logprobs(hidden, rows)
         if not inputs.sampled_states:
             return PendingStep()
-        if graphed and self.graph_runner.logits is not None:  # decode-only: every row samples, in order
-            logits = self.graph_runner.logits[:len(inputs.sampled_states)]
-        else:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         batch = self.input_batch.sampling_batch(inputs.sampled_states)
         if sched.grammar_bitmasks:
             batch.grammar_bitmasks = [sched.grammar_bitmasks.get(s.req_id) for s in inputs.sampled_states]
+        if graphed and self.graph_runner.logits is not None:  # decode-only: every row samples, in order
+            logits = self.graph_runner.logits[:len(inputs.sampled_states)]
+        else:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices], float32=not batch.plain_greedy)
         samples = self.sampler.sample(logits, batch)
         samples.start_copy()
         step = PendingStep(inputs.sampled_states, [len(s.token_ids) for s in inputs.sampled_states], samples)

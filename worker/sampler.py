@@ -21,9 +21,9 @@ from worker.transfer import HostCopy, to_device
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a 2-D float32 tensor; on the CPU one C++ pass per row when the kernels build
-    (torch's CPU argmax reads a [64, 8192] batch at ~3 GB/s: ~0.6 ms of a batch-64 decode step)."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] and x.stride(-1) == 1 and (
+    """``x.argmax(dim=-1)`` of a 2-D float32 or bfloat16 tensor; on the CPU one C++ pass per row when the kernels
+    build (torch's CPU argmax reads a [64, 8192] batch at ~3 GB/s: ~0.6 ms of a batch-64 decode step)."""
+    if x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1] and x.stride(-1) == 1 and (
             ops := fused_ops_for(x)) is not None:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         ops.argmax_rows(out, x)
@@ -52,6 +52,14 @@ class SamplingBatch:
     @property
     def all_greedy(self) -> bool:
         return all(t < 1e-5 for t in self.temperature)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes its logits' argmax and nothing else reads them (no grammar, logprobs, stop masks or
+        penalties): the logits may stay in the model's dtype, whose argmax is their float32 copy's."""
+        return (self.all_greedy and not any(m is not None for m in self.grammar_bitmasks)
+                and not any(n is not None for n in self.num_logprobs) and not any(self.stop_token_masks)
+                and not self.needs_penalties)
 
     @property
     def needs_penalties(self) -> bool:
@@ -104,7 +112,10 @@ class Sampler:
         return self.sample(logits, batch).tokens()
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledBatch:
-        """The step's tokens (and logprobs), left on the device."""
+        """The step's tokens (and logprobs), left on the device. ``logits`` may be in the model's dtype only for a
+        ``plain_greedy`` batch (the runner asks the model for float32 logits otherwise)."""
+        if batch.plain_greedy:
+            return SampledBatch(argmax_rows(logits), batch.num_logprobs)
         logits = logits.float()
         if any(m is not None for m in batch.grammar_bitmasks):
             logits = apply_grammar_bitmasks(logits, batch.grammar_bitmasks)

@@ -74,7 +74,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """float32 always: the final soft-cap is applied to the widened logits."""
         logits = super().compute_logits(hidden)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

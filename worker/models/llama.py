@@ -195,8 +195,11 @@ class LlamaForCausalLM(nn.Module):
             self._kernel_path = LlamaKernelPath.build(layers) if plain else None
         return self._kernel_path
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """The logits of these rows, float32; with ``float32=False`` in the LM head's dtype where that is already
+        their final value (a greedy batch's argmax reads them as they are: no widened copy of [rows, vocab])."""
+        logits = self.lm_head.compute_logits(self.norm(hidden))
+        return logits.float() if float32 else logits
 
     def resolve_weight(self, name: str) -> tuple[nn.Module, nn.Parameter, str | None] | None:
         """The module, parameter and shard id that a checkpoint tensor loads into; None to skip it."""

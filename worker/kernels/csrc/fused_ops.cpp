@@ -2,7 +2,7 @@
 // applied in place to q and k. One call replaces the 5-12 torch ops (and their temporaries) each of
 // these takes, which is what they cost at small batch. float32 and bfloat16 only; the Python side
 // sends anything else to its torch path. SiLU-and-mul of the MLP is one pass over gate and up (exp sixteen
-// lanes at a time on AVX-512, eight on AVX2), and the sampler's row-wise argmax (float32 only) sits beside them.
+// lanes at a time on AVX-512, eight on AVX2), and the sampler's row-wise argmax (float32 or bfloat16) sits beside them.
 //
 // Rules: rounding follows the Hugging Face / PyTorch op sequence in the tensor's own dtype, so float32
 // agrees with the torch path up to summation order, and bfloat16 rounds at the same points: the norm
@@ -214,16 +214,27 @@ inline void silu_mul_row(typename S::T* __restrict out, const typename S::T* gat
   }
 }
 
-// The first index of the row's maximum; a NaN counts as the maximum (torch.argmax's rule).
-inline int64_t argmax_row(const float* x, int64_t n) {
+// Eight of the row's values from i, widened to float32 (exactly, for bfloat16).
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// The first index of the row's maximum; a NaN counts as the maximum (torch.argmax's rule). bfloat16 values
+// widen exactly, so a bfloat16 row's answer is its float32 copy's.
+template <typename S>
+inline int64_t argmax_row(const typename S::T* x, int64_t n) {
   float best = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(x), unordered = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+    __m256 m = load8(x), unordered = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
     for (i = 8; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 v = load8(x + i);
       unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       m = _mm256_max_ps(m, v);
     }
@@ -234,11 +245,13 @@ inline int64_t argmax_row(const float* x, int64_t n) {
   }
 #endif
   for (; i < n; ++i) {
-    nan = nan || std::isnan(x[i]);
-    best = std::max(best, x[i]);
+    const float v = S::load(x[i]);
+    nan = nan || std::isnan(v);
+    best = std::max(best, v);
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (nan ? std::isnan(x[j]) : x[j] == best) return j;
+    const float v = S::load(x[j]);
+    if (nan ? std::isnan(v) : v == best) return j;
   }
   return 0;
 }
@@ -377,18 +390,21 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
-// out[t] = argmax(x[t]) for float32 x [T, V] (rows contiguous in their last dim) into int64 out [T].
+// out[t] = argmax(x[t]) for float32 or bfloat16 x [T, V] (rows contiguous in their last dim) into int64 out [T].
 void argmax_rows(at::Tensor& out, const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a float32 CPU tensor [T, V] with contiguous rows");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a float32 or bfloat16 CPU tensor [T, V] with contiguous rows");
   TORCH_CHECK(x.size(1) > 0, "argmax of an empty row");
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == x.size(0) &&
                   out.is_contiguous(), "out must be a contiguous int64 CPU tensor [T]");
   const int64_t n = x.size(1);
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) op[t] = argmax_row(xp + t * x.stride(0), n);
+  dispatch(x.scalar_type(), [&](auto s) {
+    using S = decltype(s);
+    const auto* xp = ptr<S>(x);
+    at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) op[t] = argmax_row<S>(xp + t * x.stride(0), n);
+    });
   });
 }
 
@@ -399,5 +415,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual), in place");
   m.def("rotary_embedding", &rotary_embedding, "neox RoPE on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over x = [gate | up] (float32 or bfloat16)");
-  m.def("argmax_rows", &argmax_rows, "out[t] = argmax(x[t]) (float32; first maximum, NaN counts as the maximum)");
+  m.def("argmax_rows", &argmax_rows, "out[t] = argmax(x[t]) (float32 or bfloat16; first maximum, NaN counts as the maximum)");
 }

@@ -761,10 +761,10 @@ template <Format F>
 void amx_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
                 int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
   constexpr int64_t kBytes = bytes_of<F>();
-  redserve_amx::matmul(out, x, bias, m, k, n, [&](int64_t col, uint16_t* w) {
-    redserve_amx::prefetch_next_block_row(blocks, col, n, row_bytes);
+  redserve_amx::matmul(out, x, bias, m, k, n, kBlock, [&](int64_t col, uint16_t* w, int64_t first, int64_t last) {
+    if (first == 0) redserve_amx::prefetch_next_block_row(blocks, col, n, row_bytes);
     const uint8_t* p = blocks + col * row_bytes;
-    for (int64_t b = 0; b < k / kBlock; ++b) dequantize_block_bf16<F>(w + b * kBlock, p + b * kBytes);
+    for (int64_t b = first; b < last; ++b) dequantize_block_bf16<F>(w + b * kBlock, p + b * kBytes);
   });
 }
 #endif

@@ -395,10 +395,10 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
   if (m == 0 || n == 0) return;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const auto decode = [&](int64_t col, uint16_t* row) {
-    redserve_amx::prefetch_next_block_row(w, col, n, row_bytes);
+  const auto decode = [&](int64_t col, uint16_t* row, int64_t first, int64_t last) {
+    if (first == 0) redserve_amx::prefetch_next_block_row(w, col, n, row_bytes);
     alignas(64) float values[kSuper];
-    for (int64_t sb = 0; sb < k / kSuper; ++sb) {
+    for (int64_t sb = first; sb < last; ++sb) {
       const uint8_t* p = w + col * row_bytes + sb * block_bytes(f);
       if (f == Format::kQ4_K) {
         dequantize_block<Format::kQ4_K>(values, p);
@@ -412,7 +412,7 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
     }
   };
   redserve_amx::matmul(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(),
-                       bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, m, k, n, decode);
+                       bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, m, k, n, kSuper, decode);
 #endif
 }
 
