@@ -81,7 +81,16 @@ inline void configure() {
 
 
 constexpr int64_t kK = 32;             // k a tile row: 32 bfloat16
-constexpr int64_t kColsPerBlock = 64;  // W's rows decoded together (a multiple of the micro-tile's 32)
+constexpr int64_t kColsPerBlock = 64;  // W's rows decoded together (a multiple of the micro-tile's 32), at most
+
+// W's rows a column block: 64, or 32 for up to 32 rows of x where the 64-row blocks would not split evenly over
+// the threads (a thread with one block more than the other waits for it at the end: SmolLM2's 576-row o and down
+// projections are 9 blocks of 64, 5 against 4 on two threads, and 18 of 32). SmolLM2's weights once, two threads
+// (2-core Xeon VM with AMX, 5 Dec 2026): 16 rows 14.9 -> 13.1 ms; at 64 rows 32-row blocks were 4% slower.
+inline int64_t block_cols(int64_t n, int64_t m) {
+  const int64_t threads = at::get_num_threads(), blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
+  return m <= 2 * kRows && threads > 1 && blocks % threads != 0 ? kColsPerBlock / 2 : kColsPerBlock;
+}
 constexpr int64_t kMinProductsPerTask = 1 << 16;
 
 // Tiles: 0 = (W rows 0-15, x tile 0), 1 = (0-15, x tile 1), 2 = (16-31, 0), 3 = (16-31, 1); 4, 5 W; 6, 7 x.
@@ -118,9 +127,9 @@ inline void micro_tile(float* c, const uint16_t* w, int64_t k, const uint32_t* x
   }
 }
 
-// Into L2: the raw bytes of W's row col + kColsPerBlock (the same thread's next column block), for a decode_row
-// to call on row col. The tiles between two blocks' decoding touch no memory beyond L2, so nothing else brings
-// the next block's weights in: with it, every weight of SmolLM2 once (its projections and LM head) at 64 bfloat16
+// Into L2: the raw bytes of W's row col + kColsPerBlock (the same thread's next column block, or the one after
+// with 32-row blocks), for a decode_row to call on row col. The tiles touch no memory beyond L2, so nothing else
+// brings the next block's weights in: with it, every weight of SmolLM2 once (its projections and LM head) at 64 bfloat16
 // rows 30.6-31.7 -> 28.0-28.3 ms (Q4_1), 35.1 -> 28.5 (Q8_0); 16 rows 19.2 -> 16.5, 128 rows 47.9 -> 44.1 (Q4_1;
 // 2-core Xeon VM with AMX, 5 Dec 2026; into L1 instead: the same). The k-quants: no change (their decoding, not
 // the memory, is what holds them up: Q4_K 22.4 -> 22.0 ms, Q6_K 36.4 -> 36.6).
@@ -194,12 +203,13 @@ template <class Decode>
 struct BlockDecoder {
   const Decode* decode;
   int64_t k = 0, unit = 0;  // a decode unit: `unit` weights of a row
+  int64_t block_cols = kColsPerBlock;
   int64_t c0 = 0, cols = 0, row = 0, at = 0, per_step = 1;
   uint16_t* w = nullptr;
 
   void start(int64_t block, int64_t n, uint16_t* buffer, int64_t steps) {
     constexpr int64_t kMicroCols = 2 * kRows;
-    c0 = block * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0), row = 0, at = 0, w = buffer;
+    c0 = block * block_cols, cols = std::min(block_cols, n - c0), row = 0, at = 0, w = buffer;
     const int64_t units = cols * (k / unit);
     per_step = std::max<int64_t>(1, (units + steps - 1) / std::max<int64_t>(1, steps));
     const int64_t padded = (cols + kMicroCols - 1) / kMicroCols * kMicroCols;
@@ -237,20 +247,20 @@ void matmul(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* bias, 
   constexpr int64_t R = kRows, kMicroCols = 2 * R;
   const int64_t tiles = (m + R - 1) / R;
   const PackedRows xp = pack_pairs(x, m, k, tiles);
-  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
-  const int64_t grain = std::max<int64_t>(1, kMinProductsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
+  const int64_t bc = block_cols(n, m), col_blocks = (n + bc - 1) / bc;
+  const int64_t grain = std::max<int64_t>(1, kMinProductsPerTask / std::max<int64_t>(1, bc * k * m));
   at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
-    std::vector<uint16_t> buffers(2 * kColsPerBlock * k);
+    std::vector<uint16_t> buffers(2 * bc * k);
     alignas(64) float c[4 * R * R];
     configure();
-    BlockDecoder<Decode> current{&decode, k, unit}, ahead{&decode, k, unit};
+    BlockDecoder<Decode> current{&decode, k, unit, bc}, ahead{&decode, k, unit, bc};
     current.start(first, n, buffers.data(), 1);
     current.finish();
     for (int64_t cb = first; cb < last; ++cb) {
       if (cb + 1 < last) {
-        const int64_t cols = std::min(kColsPerBlock, n - cb * kColsPerBlock);
+        const int64_t cols = std::min(bc, n - cb * bc);
         const int64_t steps = (cols + kMicroCols - 1) / kMicroCols * ((tiles + 1) / 2) * (k / kK);
-        ahead.start(cb + 1, n, buffers.data() + ((cb + 1 - first) % 2) * kColsPerBlock * k, steps);
+        ahead.start(cb + 1, n, buffers.data() + ((cb + 1 - first) % 2) * bc * k, steps);
       }
       const auto between = [&] { if (cb + 1 < last) ahead.step(); };
       const int64_t c0 = current.c0, cols = current.cols;
