@@ -222,6 +222,17 @@ def test_build_key_follows_the_sources_and_the_shared_headers(tmp_path: Path, mo
     assert build.build_key([source]) != second
 
 
+def test_build_key_follows_where_torch_and_python_are_installed(tmp_path: Path, monkeypatch) -> None:
+    """Two venvs (a checkout's and a CI clone's) share the cache but not a build: the ninja command names their
+    include dirs, and a build dir shared by both would be rebuilt by each in turn."""
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    source = tmp_path / "k.cpp"
+    source.write_text("int a;\n")
+    here = build.build_key([source])
+    monkeypatch.setattr(build.sys, "prefix", str(tmp_path / "other-venv"))
+    assert build.build_key([source]) != here
+
+
 def test_build_key_follows_the_cpu_flags(tmp_path: Path, monkeypatch) -> None:
     """One cache shared by two kinds of CPU (a compose volume) keeps a -march=native build per kind."""
     monkeypatch.setattr(build, "CSRC", tmp_path)

@@ -12,7 +12,10 @@ Rules:
   a build killed midway (timeout, Ctrl-C) leaves nothing that blocks the next one.
 - The sources and headers are compiled from a copy inside the build dir, never from where they lie, so two
   checkouts (or an installed copy and a dev tree) with the same key share one build: torch's ninja file
-  names its sources by path, and a different path would rebuild it, each checkout undoing the other's.
+  names its sources by path, and a different path would rebuild it, each checkout undoing the other's. For
+  the same reason the key holds where torch and Python are installed (the ninja command names their include
+  dirs): a second venv (a CI clone's) builds its own dir, where it had rebuilt the first venv's and left every
+  kernel of the next `serve` there to build again (3 minutes to READY on 2 cores).
 - ``cflags`` adds compiler flags after ``CFLAGS`` (part of the build key): tests build a kernel again with
   ``-mno-avx512vnni -mno-avxvnni`` or ``-mno-avx2`` to run the code paths of CPUs without those features.
 - ``python -m worker.kernels`` builds every ``csrc/*.cpp`` (``make install`` runs it), so serving finds
@@ -27,6 +30,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -67,9 +71,14 @@ def build_key(sources: list[Path], cflags: tuple[str, ...] = ()) -> str:
     digest = hashlib.sha256()
     for path in [*sources, *_headers(sources)]:  # the shared headers any source may include
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (torch.__version__, " ".join(CFLAGS + cflags + LDFLAGS), _cpu_flags(), _LAYOUT):
+    for part in (torch.__version__, " ".join(CFLAGS + cflags + LDFLAGS), _cpu_flags(), _LAYOUT, _install_dirs()):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
+
+
+def _install_dirs() -> str:
+    """Where torch and this Python live: the ninja command's include dirs."""
+    return f"{Path(torch.__file__).resolve().parent} {sys.prefix} {sys.base_prefix}"
 
 
 def _missing_tool() -> str | None:
