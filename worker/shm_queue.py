@@ -6,7 +6,7 @@ msgpack (``worker.serialization``; tensors travel as raw bytes) written into a r
 
 - The hot path takes no locks and makes no system calls: a message is copied into free slots
   and published by flag stores; readers poll the flags (spin ~100 us yielding the CPU, then
-  doubling naps up to 1 ms, so an idle reader costs well under 5% of a core).
+  doubling naps up to 1 ms, so an idle reader costs a few % of a core: 2-7.5% on a 2-core VM).
 - Defaults: 16 slots x 1 MiB. Only touched pages of /dev/shm are allocated, so small messages
   cost a page per slot; a ~1 MB message still fits in one slot, and 16 slots let a burst of small
   messages run ahead of the readers (8 x 4 MiB and 32 x 256 KiB measured no better).
