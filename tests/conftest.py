@@ -108,6 +108,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_long_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny llama with 8192 positions: streams long enough (seconds) to still run when a test acts on them."""
+    from worker.models.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-long", arch="llama", seed=0,
+                               max_position_embeddings=8192, **TINY_MODEL_SIZES))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from worker.models.tiny_model import make_tiny_model
 

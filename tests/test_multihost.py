@@ -37,8 +37,8 @@ pytestmark = pytest.mark.multihost  # skipped, or failed under REDSERVE_REQUIRE_
 
 
 @pytest.fixture
-def stack(tiny_llama_dir: str, tmp_path: Path) -> Iterator[Stack]:
-    yield from running_stack(tiny_llama_dir, tmp_path)
+def stack(tiny_llama_long_dir: str, tmp_path: Path) -> Iterator[Stack]:
+    yield from running_stack(tiny_llama_long_dir, tmp_path)
 
 
 # --- tests ------------------------------------------------------------------------------------------------------
@@ -78,6 +78,31 @@ def start_stream_on(stack: Stack, engine_id: str, max_tokens: int) -> StreamReco
     raise AssertionError(f"no stream landed on engine {engine_id}")
 
 
+def queue_two_behind_a_live_stream_on_b(stack: Stack) -> tuple[StreamRecord, list[dict]]:
+    """A live stream on B (max-num-seqs 1) and two requests waiting behind it, both seen in B's stats.
+
+    On a loaded host the two requests can reach B only after the live stream ended (1000 tokens of the tiny
+    model take a few seconds); then they run, and the setup is tried again with a new live stream.
+    """
+    seen: list[str] = []
+    for _ in range(3):
+        live = start_stream_on(stack, "b", max_tokens=LIVE_TOKENS)
+        started = time.monotonic()
+        queued = [in_background(complete, stack, 16) for _ in range(2)]
+
+        def settled(live: StreamRecord = live) -> bool:
+            return live.done.is_set() or int((stack.engine_info("b") or {}).get("waiting", 0)) == 2
+
+        wait_for(settled, 60, "two requests queued on B, or the live stream's end")
+        if not live.done.is_set():
+            return live, queued
+        seen.append(f"the live stream ended after {time.monotonic() - started:.1f} s "
+                    f"({live.error or live.failure or live.finish_reason})")
+        for q in queued:
+            q["done"].wait(60)
+    raise AssertionError(f"two requests never queued behind a live stream on B: {seen}")
+
+
 def test_cut_link_fails_or_resumes_streams_replaces_queued_and_rejoins(stack: Stack) -> None:
     stack.start_engine("b", stack.b, "--max-num-seqs", "1")
     stack.start_engine("a2", stack.a)
@@ -86,9 +111,7 @@ def test_cut_link_fails_or_resumes_streams_replaces_queued_and_rejoins(stack: St
     incarnation_b = stack.wait_ready("b")["incarnation"]
     stack.wait_api()
 
-    live = start_stream_on(stack, "b", max_tokens=LIVE_TOKENS)
-    queued = [in_background(complete, stack, 16) for _ in range(2)]
-    wait_for(lambda: int((stack.engine_info("b") or {}).get("waiting", 0)) == 2, 30, "two requests queued on B")
+    live, queued = queue_two_behind_a_live_stream_on_b(stack)
     set_state(stack, "a2", "ready")
     assert not live.done.is_set(), "the stream ended before the cut: make it longer"
 

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.multihost  # skipped, or failed under REDSERVE_REQUIRE_
 
 
 @pytest.fixture
-def stack(tiny_llama_dir: str, tmp_path: Path) -> Iterator[Stack]:
-    yield from running_stack(tiny_llama_dir, tmp_path)
+def stack(tiny_llama_long_dir: str, tmp_path: Path) -> Iterator[Stack]:
+    yield from running_stack(tiny_llama_long_dir, tmp_path)
 
 
 def worker_connections(stack: Stack, pid: int) -> list[str]:
