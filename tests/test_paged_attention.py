@@ -117,6 +117,33 @@ def test_gqa_ratios_mixed_batch(group: int, dtype: torch.dtype) -> None:
     check(MIXED, kv_heads=2, group=group, dtype=dtype)
 
 
+# Fresh prompts of one length side by side (one batched SDPA call: `AttentionMetadata.prefill_runs`), broken by a
+# shorter one and by a chunk over a cached prefix, beside decodes.
+RUNS = [(0, 1), (20, 1), (0, 24), (0, 24), (0, 24), (0, 7), (0, 24), (0, 24), (16, 24), (0, 24)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 10])
+def test_fresh_prompts_of_one_length_attend_as_one_batch(dtype: torch.dtype, window: int | None) -> None:
+    check(RUNS, kv_heads=2, group=3, dtype=dtype, window=window)
+
+
+def test_prefill_runs_group_adjacent_fresh_chunks_of_one_length() -> None:
+    sched, first = SchedulerOutput(), 0
+    for i, (c, n) in enumerate(RUNS):
+        count = -(-(c + n) // 16)
+        sched.new_requests.append(NewRequestData(f"r{i}", [7] * (c + n), [], SamplingParams(), list(range(first, first + count)), c))
+        sched.num_scheduled_tokens[f"r{i}"] = n
+        first += count
+    batch = InputBatch(16, torch.device("cpu"), 3, [1], use_kernel=False)
+    batch.update(sched)
+    runs = batch.prepare(sched).meta.prefill_runs()
+    assert [[(c.num_computed, c.num_tokens) for c in run] for run in runs] == [
+        [(0, 24)] * 3, [(0, 7)], [(0, 24)] * 2, [(16, 24)], [(0, 24)]]
+    assert [run[0].start for run in runs] == [2, 74, 81, 129, 153]
+
+
 @needs_kernel
 @pytest.mark.parametrize("context", [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 200])
 def test_decode_at_block_boundaries(context: int) -> None:
