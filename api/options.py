@@ -38,6 +38,10 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
+    parser.add_argument("--nice", type=int, default=int(os.environ.get("REDSERVE_API_NICE", "0")),
+                        help="raise the API processes' niceness by this much (0-19) before the workers start, so that "
+                             "on cores it shares with a CPU engine it does not preempt the engine's threads "
+                             "(default: $REDSERVE_API_NICE, else 0)")
     parser.add_argument("--threads", type=int, default=None,
                         help="gunicorn threads per worker; must exceed --max-concurrent-streams so that /health, "
                              f"/metrics and 429 answers always find one (default: that limit + {THREAD_RESERVE})")

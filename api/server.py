@@ -130,10 +130,14 @@ def run_api(args: argparse.Namespace) -> int:
         config = ApiConfig.from_args(args)
         if args.workers < 1:
             raise ValueError("--workers must be at least 1")
+        if not 0 <= getattr(args, "nice", 0) <= 19:
+            raise ValueError(f"--nice must be 0 to 19, got {args.nice}")
         worker_threads(args)
     except ValueError as e:
         print(f"redserve api: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "nice", 0):
+        os.nice(args.nice)  # the master before it forks: every worker inherits it
     set_title(TITLE)
     metrics_dir = tempfile.mkdtemp(prefix="redserve-prometheus-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

@@ -187,6 +187,8 @@ class Stack:
         if getattr(args, "redis_replicas", 0) and args.redis_url:
             raise ValueError("--redis-replicas starts an embedded replicated Redis; with --redis-url point at your "
                              "own Sentinel deployment instead (a redis+sentinel:// URL)")
+        if not 0 <= getattr(args, "api_nice", 0) <= 19:
+            raise ValueError(f"--api-nice must be 0 to 19, got {args.api_nice}")
         if getattr(args, "redis_cluster", 0) < 0:
             raise ValueError(f"--redis-cluster must be >= 0, got {args.redis_cluster}")
         if getattr(args, "redis_cluster", 0) and getattr(args, "redis_replicas", 0) and args.redis_cluster < 3:
@@ -224,7 +226,8 @@ class Stack:
                                               *_flags(args, _ENGINE_FLAGS, _ENGINE_SWITCHES), "--role", self.roles[rank]),
                         self._engine_env(rank), stop_timeout=ENGINE_DRAIN_TIMEOUT + 10)
         api = ["api", "--model", args.model, "--host", args.host, "--port", str(args.port),
-               "--workers", str(args.api_workers or api_workers(os.cpu_count() or 1)), "--max-queued-requests", str(args.max_queued_requests)]
+               "--workers", str(args.api_workers or api_workers(os.cpu_count() or 1)), "--max-queued-requests", str(args.max_queued_requests),
+               "--nice", str(getattr(args, "api_nice", 0))]
         if args.served_model_name:
             api += ["--served-model-name", args.served_model_name]
         api += _flags(args, ["tool_call_parser", "max_migrations"], ["public_metrics", "trust_request_chat_template",

@@ -301,3 +301,5 @@ def test_threads_default_to_the_limit_plus_a_reserve(tiny_llama_dir, capsys) -> 
     assert worker_threads(parser.parse_args([*base, "--max-queued-requests", "8", "--threads", "9"])) == 9
     assert run_api(parser.parse_args([*base, "--max-concurrent-streams", "8", "--threads", "8"])) == 2
     assert "--threads (8) must exceed --max-concurrent-streams (8)" in capsys.readouterr().err
+    assert run_api(parser.parse_args([*base, "--nice", "20"])) == 2
+    assert "--nice must be 0 to 19, got 20" in capsys.readouterr().err

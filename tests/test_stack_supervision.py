@@ -144,6 +144,25 @@ def test_secrets_stay_off_command_lines_and_the_state_file_is_private(stack: Sta
     assert stat.S_IMODE(stack.state_dir.stat().st_mode) == 0o700
 
 
+def test_api_processes_run_nicer_than_the_engine(stack: Stack) -> None:
+    from redserve.cli import API_NICE
+
+    api = stack.child("api")
+    workers = descendants(api)
+    assert workers, "the API master has no workers"
+    for pid in (api, *workers):
+        assert os.getpriority(os.PRIO_PROCESS, pid) == API_NICE, f"API process {pid} is not at niceness {API_NICE}"
+    assert os.getpriority(os.PRIO_PROCESS, stack.child("engine-0")) == 0
+
+
+def test_serve_refuses_an_api_niceness_out_of_range(tiny_llama_dir: str) -> None:
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "redserve.cli", "serve", "--model", tiny_llama_dir, "--api-nice", "20",
+                          "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--api-nice must be 0 to 19, got 20" in out.stderr
+
+
 def queue_unstarted(stack: Stack, r: redis.Redis, engine: int, n: int = 3) -> tuple[list[threading.Thread], list]:
     """Freeze the engine and send `n` completions: they sit un-started in its stream. Returns the threads and
     the list their results (status code or exception name) land in."""
