@@ -10,12 +10,14 @@ import sys
 
 from redserve.model_arg import check_model_path, resolve_model
 
-# `serve`'s API processes run this much nicer than the engines. Each worker wakes for every token it streams; at
-# equal priority a wakeup could preempt one of a CPU engine's two compute threads, and the other then waited for it
-# at the end of each parallel region (in a served tiny-model c=64 run a third of the engine's main thread samples
-# sat in libgomp's barrier). Interleaved, 2-core Xeon, tiny model bf16 c=64 (bench_vs_vllm.py --variant): 1,253.8 ->
-# 1,409.5 out tok/s, TPOT p50 47.6 -> 41.5 ms, TTFT p50 475 -> 414 ms, every round faster (1.07-1.18x).
-API_NICE = 10
+# Niceness `serve` gives the API processes (--api-nice). Each API worker wakes for every token it streams; at equal
+# priority a wakeup can preempt one of a CPU engine's compute threads, and the other then waits for it at the end of
+# the parallel region (in a served tiny-model c=64 run a third of the engine's main-thread samples sat in libgomp).
+# Measured on a 2-core Xeon, bench_vs_vllm.py --variant, interleaved: niceness 10 sped up the tiny model (bf16 c=64
+# 1,253.8 -> 1,409.5 tok/s, every round 1.07-1.18x) but slowed SmolLM2 Q4_1 c=64 (364.9 -> 328.7 tok/s, every round
+# 0.82-0.93x, a slow hour): there the API, short of CPU, delivered the last tokens and admitted the next prompts
+# late. No default fits both, so 0; a deployment can measure its own.
+API_NICE = 0
 
 
 def _add_engine_config_args(p: argparse.ArgumentParser) -> None:
@@ -211,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-workers", type=int, default=None,
                    help="API worker processes (default: a quarter of the cores, 2 to 8)")
     p.add_argument("--api-nice", type=int, default=int(os.environ.get("REDSERVE_API_NICE", str(API_NICE))),
-                   help="niceness the API processes add (0-19): on the cores they share with the engines, waking for "
-                        "each token they would preempt an engine's compute threads and stall its parallel regions "
-                        f"(default: $REDSERVE_API_NICE, else {API_NICE})")
+                   help="niceness the API processes add (0-19), so that on the cores they share with a CPU engine "
+                        "their wakeups preempt its compute threads less; it helped a tiny model and slowed SmolLM2 "
+                        f"here: measure yours (default: $REDSERVE_API_NICE, else {API_NICE})")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--api-key", default=os.environ.get("REDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every API route but /health, /readyz, /livez "

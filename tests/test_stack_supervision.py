@@ -30,6 +30,7 @@ from broker.keys import RedisKeys
 from redserve.proc_tree import alive, children, descendants, socket_owner
 
 API_KEY = "sk-supervision-test-key"
+API_NICENESS = 3  # serve --api-nice for this module's stack (the default is 0)
 KEYS = RedisKeys()
 STOP_BOUND_S = 60  # every deadline of a graceful stop together, with slack for a slow machine
 MATRIX: list[tuple[str, str, str, str]] = []
@@ -122,8 +123,8 @@ def fault_matrix() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tiny_llama_dir, tmp_path_factory.mktemp("supervised"), "--api-key", API_KEY, api_workers=2,
-                    batch=True)
+    s = start_stack(tiny_llama_dir, tmp_path_factory.mktemp("supervised"), "--api-key", API_KEY,
+                    "--api-nice", str(API_NICENESS), api_workers=2, batch=True)
     try:
         wait_for(lambda: served(s), 120, "the stack to serve", interval=0.5, watch=(s.proc,))
         yield s
@@ -144,14 +145,12 @@ def test_secrets_stay_off_command_lines_and_the_state_file_is_private(stack: Sta
     assert stat.S_IMODE(stack.state_dir.stat().st_mode) == 0o700
 
 
-def test_api_processes_run_nicer_than_the_engine(stack: Stack) -> None:
-    from redserve.cli import API_NICE
-
+def test_api_processes_run_at_the_niceness_asked_and_the_engine_does_not(stack: Stack) -> None:
     api = stack.child("api")
     workers = descendants(api)
     assert workers, "the API master has no workers"
     for pid in (api, *workers):
-        assert os.getpriority(os.PRIO_PROCESS, pid) == API_NICE, f"API process {pid} is not at niceness {API_NICE}"
+        assert os.getpriority(os.PRIO_PROCESS, pid) == API_NICENESS, f"API process {pid} is not at {API_NICENESS}"
     assert os.getpriority(os.PRIO_PROCESS, stack.child("engine-0")) == 0
 
 
