@@ -31,7 +31,7 @@ from worker.kernels import build  # noqa: E402
 from worker.layers.quantized_linear import BlockFormat, quant_gemm_kernel  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-SOURCES = ("quant_gemm.cpp", "quant_rows.h", "q8_matmul.h", "amx_tiles.h")
+SOURCES = ("quant_gemm.cpp", "quant_rows.h", "q8_matmul.h", "amx_tiles.h", "bf16_rows.h")
 
 
 def kernel_at(rev: str, folder: Path):

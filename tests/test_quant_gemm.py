@@ -228,15 +228,16 @@ def run_matmul(kernel, x: torch.Tensor, blocks: np.ndarray, fmt: BlockFormat, bi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_many_rows_multiply_to_float_rounding(variant_kernel, fmt, m, n, k, dtype) -> None:
     """``quant_matmul`` (the weights decoded once a call) has no activation rounding: bfloat16 x is multiplied
-    as it is (the bf16 dot products' products are exact), float32 x in float32. Odd shapes leave a partial
-    tile of rows, of columns and of a column block."""
+    as it is (the bf16 dot products' products are exact; with native bfloat16, AMX or AVX-512 BF16, each weight
+    rounded once to bfloat16 first), float32 x in float32. Odd shapes leave a partial tile of rows, of columns
+    and of a column block."""
     blocks, w = quantized(fmt, n, k, seed=m + n)
     x = activations(m, k, seed=k + m).to(dtype)
     b = torch.randn(n).to(dtype)
     out = run_matmul(variant_kernel, x, blocks, fmt, b)
     exact = x.double() @ torch.from_numpy(w).T + b.double()
     bound = matmul_bound(x.float(), w)
-    if dtype == torch.bfloat16 and variant_kernel.amx_matmul():  # AMX: each weight rounded to bfloat16 first
+    if dtype == torch.bfloat16 and variant_kernel.native_bf16_matmul():  # each weight rounded to bfloat16 first
         bound = bound + 2 ** -8 * (x.double().abs() @ torch.from_numpy(w).abs().T)
     if dtype == torch.bfloat16:
         bound = bound + (exact.abs() + bound) * 2 ** -8  # the result rounded once to bfloat16

@@ -344,11 +344,12 @@ def test_the_layer_takes_q8_for_many_q4_k_rows_and_tiles_for_q6_k(native, monkey
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("m,n,k", [(17, 13, 256), (33, 130, 768), (64, 67, 1536)])
-def test_many_bfloat16_rows_on_amx_tiles_are_within_the_weights_bfloat16_rounding(native, fmt, m, n, k) -> None:
-    """quant_matmul (AMX only): each weight rounded once to bfloat16 (2^-8 of it), float32 sums (products of two
-    bfloat16 exact), the result rounded once to bfloat16; odd shapes leave partial tiles of rows and columns."""
-    if not native.amx_matmul():
-        pytest.skip("quant_matmul of the k-quants needs AMX tiles")
+def test_many_bfloat16_rows_are_within_the_weights_bfloat16_rounding(native, fmt, m, n, k) -> None:
+    """quant_matmul (AMX tiles, else AVX-512 BF16 dot products): each weight rounded once to bfloat16 (2^-8 of it),
+    float32 sums (products of two bfloat16 exact), the result rounded once to bfloat16; odd shapes leave partial
+    tiles of rows and columns."""
+    if not native.native_bf16_matmul():
+        pytest.skip("quant_matmul of the k-quants needs AMX tiles or AVX-512 BF16")
     blocks, w = quantized(fmt, n, k, seed=m + n)
     x = activations(m, k, seed=k + m).bfloat16()
     b = torch.randn(n).bfloat16()
@@ -364,18 +365,18 @@ def test_many_bfloat16_rows_on_amx_tiles_are_within_the_weights_bfloat16_roundin
         native.quant_matmul(torch.empty(m, n), x.float(), torch.from_numpy(blocks), int(fmt), None)
 
 
-def test_the_layer_takes_the_amx_tiles_for_many_bfloat16_rows(native, monkeypatch) -> None:
+def test_the_layer_takes_quant_matmul_for_many_bfloat16_rows(native, monkeypatch) -> None:
     x = activations(K_QUANT_KERNEL_MAX_ROWS + 1, 512, seed=3).bfloat16()
     for fmt in FORMATS:
         weight = weight_of(fmt, quantized(fmt, 40, 512, seed=4)[0], 512, torch.bfloat16)
-        if native.amx_matmul():
+        if native.native_bf16_matmul():
             want = torch.empty(x.shape[0], 40, dtype=torch.bfloat16)
             native.quant_matmul(want, x, weight.blocks, int(fmt), None)
             # the tiles and F.linear (oneDNN on AMX) can give the same bits: make sure they are not what ran
             monkeypatch.setattr(quantized_linear, "tiled_linear", lambda *a: pytest.fail("the tiled path ran"))
         else:
             want = tiled_linear(x, weight)
-            with pytest.raises(RuntimeError, match="no AMX tiles"):
+            with pytest.raises(RuntimeError, match="neither AMX tiles nor AVX-512 BF16"):
                 native.quant_matmul(torch.empty_like(want), x, weight.blocks, int(fmt), None)
         assert torch.equal(quant_linear(x, weight), want)
 

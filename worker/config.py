@@ -153,7 +153,7 @@ class EngineConfig:
         else:
             checkpoint = _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.float32)
         requested = None if self.dtype == "auto" else _DTYPES[self.dtype]
-        return choose_dtype(requested, checkpoint, self.device)
+        return choose_dtype(requested, checkpoint, self.device, quantized=self.quantization == "gguf")
 
     def torch_dtype(self, config_dtype: torch.dtype | str | None) -> torch.dtype:
         return self.dtype_choice(config_dtype).dtype

@@ -20,20 +20,22 @@ Rules:
     perplexity stays within 1% of llama.cpp's (-0.45%, -0.82% without), but its chat answer to the tests'
     capital-of-France prompt and 40% of a Q4_K file's greedy tokens change;
   - more rows of Q8_0 (its weights as precise as q8 activations), and of the others by default or without
-    VNNI: ``quant_matmul``, the weights decoded once a call and x
-    multiplied in its own dtype (bfloat16 with the CPU's bf16 dot products where it has them), to float
-    rounding, at 1.4-1.5x the time of ``quant_matmul_q8`` (below). Where the CPU has AMX (the kernel's
-    ``amx_matmul()``), bfloat16 rows go on its tiles, each weight rounded once to bfloat16 first: also for more
-    rows of Q4_K and Q6_K (quant_gemm_k.cpp's ``quant_matmul``, AMX only);
+    VNNI: ``quant_matmul``, the weights decoded once a call and x multiplied in its own dtype: float32 to float
+    rounding; bfloat16 natively where the CPU computes it (the kernel's ``native_bf16_matmul()``: AMX tiles,
+    ``amx_matmul()``, else AVX-512 BF16 dot products), each weight rounded once to bfloat16 first, as a
+    dequantized bfloat16 model's: also for more rows of Q4_K and Q6_K (quant_gemm_k.cpp's ``quant_matmul``);
   - from ``DEQUANTIZED_GEMM_MIN_ROWS`` rows of bfloat16 x on a CPU with AMX (a prefill's chunk), for a weight of
     at most ``DEQUANTIZED_GEMM_MAX_WEIGHTS``: the weight dequantized to bfloat16 by the kernel (``dequantize_rows``,
     the same bits as `dequantize`) and multiplied by ``F.linear`` (oneDNN's AMX GEMM), 2.3-2.5x faster than
     ``quant_matmul``'s tiles at 2048 rows (``dequantized_linear``; figures below). The copy lives for the call:
     nothing stays resident but the blocks. Larger weights (an LM head, a 1B model's MLP) keep the tiles: oneDNN
     lost there at every size measured (SmolLM2's 49152 x 576 LM head at 512 rows 51 ms against 32; 8192 x 2048
-    at 128 rows 15 against 5);
-  - more rows of Q6_K (and of Q4_K without VNNI) without AMX, and wherever the kernel is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming
-    ``quant_gemm`` or ``quant_gemm_k``, CUDA): the weight dequantized ``TILE_WEIGHTS`` at a time into x's
+    at 128 rows 15 against 5). Only on AMX: with AVX-512 BF16 dot products ``quant_matmul`` is as fast as oneDNN
+    at every size (SmolLM2's projections x 30 layers, Q4_1, 2 threads, Zen 4, 6 Dec 2026: 128 rows 80.5 against
+    143.4 ms, 256 rows 152.6 / 197.0, 512 rows 308.6 / 327.6, 2048 rows 1,209 / 1,215);
+  - more rows of Q6_K (and of Q4_K without VNNI) in float32 or without native bfloat16, and wherever the kernel
+    is not built (no compiler, ``REDSERVE_NO_KERNELS`` naming ``quant_gemm`` or ``quant_gemm_k``, CUDA): the
+    weight dequantized ``TILE_WEIGHTS`` at a time into x's
     dtype (by the kernel's ``dequantize_rows`` where it is built, else in torch) and multiplied with
     ``F.linear`` (float rounding only), so no whole float copy of the weight is ever made.
 - `QuantizedGemm` is the ``gemm`` of a layer whose weight is a `BlockQuantizedWeight` (the interface of
@@ -225,8 +227,8 @@ def quant_linear(x: torch.Tensor, weight: BlockQuantizedWeight | ShardedBlockWei
         out = dequantized_linear(rows, weight, bias, kernel)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
     q8 = kernel is not None and Q8_ACTIVATIONS and m > KERNEL_MAX_ROWS and fmt in _Q8_MATMUL_FORMATS and kernel.q8_matmul()
-    amx = k_quant and kernel is not None and rows.dtype == torch.bfloat16 and kernel.amx_matmul()
-    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS and not q8 and not amx):
+    bf16 = k_quant and kernel is not None and rows.dtype == torch.bfloat16 and kernel.native_bf16_matmul()
+    if kernel is None or (k_quant and m > K_QUANT_KERNEL_MAX_ROWS and not q8 and not bf16):
         out = tiled_linear(rows, weight, bias)
     else:
         out = torch.empty(m, weight.blocks.shape[0], dtype=rows.dtype)

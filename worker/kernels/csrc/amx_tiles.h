@@ -47,9 +47,11 @@
 #include <memory>
 #include <vector>
 
+#include "bf16_rows.h"
+
 namespace redserve_amx {
 
-constexpr int64_t kRows = 16;      // rows a tile
+using namespace redserve_bf16;  // kRows, kK, pack_pairs, transpose16, BlockDecoder, ...
 constexpr int64_t kPairBytes = 64;  // bytes a tile row: 32 bfloat16, or 16 float32
 
 inline bool permitted() {
@@ -79,19 +81,6 @@ inline void configure() {
   _tile_loadconfig(&config);
 }
 
-
-constexpr int64_t kK = 32;             // k a tile row: 32 bfloat16
-constexpr int64_t kColsPerBlock = 64;  // W's rows decoded together (a multiple of the micro-tile's 32), at most
-
-// W's rows a column block: 64, or 32 for up to 32 rows of x where the 64-row blocks would not split evenly over
-// the threads (a thread with one block more than the other waits for it at the end: SmolLM2's 576-row o and down
-// projections are 9 blocks of 64, 5 against 4 on two threads, and 18 of 32). SmolLM2's weights once, two threads
-// (2-core Xeon VM with AMX, 5 Dec 2026): 16 rows 14.9 -> 13.1 ms; at 64 rows 32-row blocks were 4% slower.
-inline int64_t block_cols(int64_t n, int64_t m) {
-  const int64_t threads = at::get_num_threads(), blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
-  return m <= 2 * kRows && threads > 1 && blocks % threads != 0 ? kColsPerBlock / 2 : kColsPerBlock;
-}
-constexpr int64_t kMinProductsPerTask = 1 << 16;
 
 // Tiles: 0 = (W rows 0-15, x tile 0), 1 = (0-15, x tile 1), 2 = (16-31, 0), 3 = (16-31, 1); 4, 5 W; 6, 7 x.
 // `between()` runs once per 32 k, after that step's tile ops are issued: the caller's decoding of the next column
@@ -126,108 +115,6 @@ inline void micro_tile(float* c, const uint16_t* w, int64_t k, const uint32_t* x
     _tile_stored(3, c + 3 * kRows * kRows, kPairBytes);
   }
 }
-
-// Into L2: the raw bytes of W's row col + kColsPerBlock (the same thread's next column block, or the one after
-// with 32-row blocks), for a decode_row to call on row col. The tiles touch no memory beyond L2, so nothing else
-// brings the next block's weights in: with it, every weight of SmolLM2 once (its projections and LM head) at 64 bfloat16
-// rows 30.6-31.7 -> 28.0-28.3 ms (Q4_1), 35.1 -> 28.5 (Q8_0); 16 rows 19.2 -> 16.5, 128 rows 47.9 -> 44.1 (Q4_1;
-// 2-core Xeon VM with AMX, 5 Dec 2026; into L1 instead: the same). The k-quants: no change (their decoding, not
-// the memory, is what holds them up: Q4_K 22.4 -> 22.0 ms, Q6_K 36.4 -> 36.6).
-inline void prefetch_next_block_row(const uint8_t* blocks, int64_t col, int64_t n, int64_t row_bytes) {
-  if (col + kColsPerBlock >= n) return;
-  const char* ahead = reinterpret_cast<const char*>(blocks + (col + kColsPerBlock) * row_bytes);
-  for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
-}
-
-// out[k] = column k of a 16 x 16 float32 tile stored row by row (t[i * 16 + k]): 64 shuffles where 16 gathers
-// were. Rows in pairs (unpack of 32-bit, then of 64-bit halves) leave, in 128-bit lane L of u[g][j], rows 4g..4g+3
-// at column 4L + j; a 4 x 4 transpose of lanes across u[0..3][j] then puts column 4L + j together.
-inline void transpose16(const __m512 r[16], __m512 out[16]) {
-  __m512 p[16];
-  for (int i = 0; i < 8; ++i) {
-    p[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    p[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  __m512 u[4][4];  // u[g][j]
-  for (int g = 0; g < 4; ++g) {
-    const __m512d a = _mm512_castps_pd(p[4 * g]), b = _mm512_castps_pd(p[4 * g + 1]);
-    const __m512d c = _mm512_castps_pd(p[4 * g + 2]), d = _mm512_castps_pd(p[4 * g + 3]);
-    u[g][0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    u[g][1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    u[g][2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    u[g][3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512 ab01 = _mm512_shuffle_f32x4(u[0][j], u[1][j], 0x44), ab23 = _mm512_shuffle_f32x4(u[0][j], u[1][j], 0xEE);
-    const __m512 cd01 = _mm512_shuffle_f32x4(u[2][j], u[3][j], 0x44), cd23 = _mm512_shuffle_f32x4(u[2][j], u[3][j], 0xEE);
-    out[j] = _mm512_shuffle_f32x4(ab01, cd01, 0x88);
-    out[4 + j] = _mm512_shuffle_f32x4(ab01, cd01, 0xDD);
-    out[8 + j] = _mm512_shuffle_f32x4(ab23, cd23, 0x88);
-    out[12 + j] = _mm512_shuffle_f32x4(ab23, cd23, 0xDD);
-  }
-}
-
-inline void transpose16(const float* t, __m512 out[16]) {
-  __m512 r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(t + 16 * i);
-  transpose16(r, out);
-}
-
-// x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
-// Each 16 rows x 16 pairs is one 16 x 16 transpose of 32-bit lanes (transpose16), on the calling thread: a few
-// microseconds at 64 rows, less than a parallel region's start (it was a 4-byte copy a pair over threads).
-using PackedRows = std::unique_ptr<uint32_t[], decltype(&std::free)>;
-
-inline PackedRows pack_pairs(const at::BFloat16* x, int64_t m, int64_t k, int64_t tiles) {
-  const int64_t pairs = k / 2;  // a multiple of 16: the buffer's size is one of 64 bytes
-  PackedRows xp(static_cast<uint32_t*>(std::aligned_alloc(64, tiles * pairs * kRows * sizeof(uint32_t))), &std::free);
-  TORCH_CHECK(xp, "out of memory packing x for the AMX tiles");
-  const auto* rows = reinterpret_cast<const uint32_t*>(x);
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t live = std::min(kRows, m - t * kRows);
-    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
-      __m512 in[16], out[16];
-      for (int64_t i = 0; i < 16; ++i)
-        in[i] = i < live ? _mm512_castsi512_ps(_mm512_loadu_si512(rows + (t * kRows + i) * pairs + p0)) : _mm512_setzero_ps();
-      transpose16(in, out);
-      for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(reinterpret_cast<float*>(xp.get() + ((t * pairs) + p0 + j) * kRows), out[j]);
-    }
-  }
-  return xp;
-}
-
-// One column block of W decoded into a buffer a few units at a time (`step`: an even share of the block's units
-// for each of the `steps` calls), so that it can be decoded between another block's tile ops. Rows past N (up to
-// the block's whole micro-tiles) are zero.
-template <class Decode>
-struct BlockDecoder {
-  const Decode* decode;
-  int64_t k = 0, unit = 0;  // a decode unit: `unit` weights of a row
-  int64_t block_cols = kColsPerBlock;
-  int64_t c0 = 0, cols = 0, row = 0, at = 0, per_step = 1;
-  uint16_t* w = nullptr;
-
-  void start(int64_t block, int64_t n, uint16_t* buffer, int64_t steps) {
-    constexpr int64_t kMicroCols = 2 * kRows;
-    c0 = block * block_cols, cols = std::min(block_cols, n - c0), row = 0, at = 0, w = buffer;
-    const int64_t units = cols * (k / unit);
-    per_step = std::max<int64_t>(1, (units + steps - 1) / std::max<int64_t>(1, steps));
-    const int64_t padded = (cols + kMicroCols - 1) / kMicroCols * kMicroCols;
-    std::fill(w + cols * k, w + padded * k, uint16_t{0});
-  }
-  void step() {
-    const int64_t units = k / unit;
-    for (int64_t left = per_step; left > 0 && row < cols;) {
-      const int64_t take = std::min(left, units - at);
-      (*decode)(c0 + row, w + row * k, at, at + take);
-      at += take, left -= take;
-      if (at == units) at = 0, ++row;
-    }
-  }
-  void finish() {
-    while (row < cols) step();
-  }
-};
 
 // `decode(col, w, first, last)` writes weights [first * unit, last * unit) of W's row col (bfloat16 bits) to the
 // same places of w (K of them); it is called with first = 0 before any other part of a row.

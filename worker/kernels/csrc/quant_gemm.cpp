@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bf16_rows.h"
 #include "q8_matmul.h"
 #include "quant_rows.h"
 
@@ -438,12 +439,12 @@ void dequantize_rows(torch::Tensor out, torch::Tensor blocks, int64_t ggml_type)
 // for every row of x) and multiplies with x packed so that one vector holds one k of L consecutive rows:
 //   float32 x: W decoded to the float32 weights (the gguf package's values), y += x[rows, k] * w[k] by FMA,
 //              L = 16 (AVX-512F) or 8 (AVX2) rows a vector; x in bfloat16 is widened first (exact).
-//   bfloat16 x on a CPU with AVX-512 BF16: W decoded to its integer codes q, exact in bfloat16 (|q| <= 128),
-//              a block's sum(x q) by vdpbf16ps over pairs of k into float32 (every product exact), then
-//              y += d * sum + m * sum(x) with the block's scale d and min m (Q4_0: q - 8, no min; Q8_0: no min).
-// Either way the result is the dequantized product to float32 rounding (no activation rounding: bfloat16 x
-// is what the model computes in). A micro-tile is kColsPerTile columns by two vectors of rows (8 accumulators;
-// the bfloat16 path 8 more for a block's sums): per k, two loads of x, four broadcasts of w, eight products.
+//   bfloat16 x on a CPU with AVX-512 BF16: W decoded to bfloat16 (each weight rounded once, as a dequantized
+//              bfloat16 model's), then AMX tiles (amx_tiles.h) where the CPU has them, else vdpbf16ps over pairs
+//              of k into float32 (bf16_rows.h; every product exact). Below, `dot_matmul`.
+// The float32 result is the dequantized product to float32 rounding (bfloat16 x: plus the weights' bfloat16
+// rounding). A float micro-tile is kColsPerTile columns by two vectors of rows (8 accumulators): per k, two loads
+// of x, four broadcasts of w, eight products.
 // Threads split the column blocks.
 
 constexpr int64_t kColsPerTile = 4;   // with two vectors of rows; eight with one
@@ -575,159 +576,19 @@ void float_matmul(T* out, const T* x, const uint8_t* blocks, const T* bias, int6
   });
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define REDSERVE_QUANT_BF16 1
-constexpr int64_t kBfLanes = 16;
-
-inline uint16_t bf16_bits_of_small_int(int v) {  // exact: |v| <= 256 has at most 8 significant bits
-  const float f = static_cast<float>(v);
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// One row of W as its codes (bfloat16, natural k order) and per-block scale and min (Q4_0: q - 8, min 0).
-template <Format F>
-void decode_codes(uint16_t* q, float* d, float* mn, const uint8_t* p, int64_t blocks) {
-  constexpr int64_t kBytes = bytes_of<F>();
-  // Q4 / Q5: the codes' bfloat16 bits (minus Q4_0's 8 or Q5_0's 16), looked up by code (vpermw); Q4 uses half.
-  alignas(64) static const std::array<uint16_t, 32> table = [] {
-    std::array<uint16_t, 32> t{};
-    for (int i = 0; i < 32; ++i) t[i] = bf16_bits_of_small_int(i + (F == Format::kQ4_0 ? -8 : F == Format::kQ5_0 ? -16 : 0));
-    return t;
-  }();
-  const __m512i lut = _mm512_load_si512(table.data());
-  for (int64_t b = 0; b < blocks; ++b, p += kBytes) {
-    uint16_t* out = q + b * kBlock;
-    d[b] = half_to_float(p);
-    if constexpr (F == Format::kQ8_0) {
-      mn[b] = 0.f;
-      const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(wide)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(wide, 1)));
-      _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-    } else {
-      mn[b] = F == Format::kQ4_1 ? half_to_float(p + 2) : 0.f;
-      const __m512i codes = _mm512_cvtepu8_epi16(block_codes<F>(p));
-      _mm512_storeu_si512(out, _mm512_permutexvar_epi16(codes, lut));
-    }
-  }
-}
-
-// acc[c * MV * 16 + i] += sum over blocks b in [b0, b1) of d[c][b] * sum_k x[i][k] q[c][k] + mn[c][b] * xs[b][i].
-template <int MV, bool HasMin, int NC = kColsPerTile * kRowVectors / MV>
-inline void bf16_tile(float* acc_io, const uint32_t* xp, const float* xs, int64_t stride, const uint16_t* q,
-                      const float* d, const float* mn, int64_t k, int64_t b0, int64_t b1) {
-  const int64_t blocks = k / kBlock;
-  __m512 acc[NC][MV];
-  for (int c = 0; c < NC; ++c)
-    for (int j = 0; j < MV; ++j) acc[c][j] = _mm512_loadu_ps(acc_io + (c * MV + j) * kBfLanes);
-  for (int64_t b = b0; b < b1; ++b) {
-    __m512 sum[NC][MV];
-    for (auto& col : sum)
-      for (auto& s : col) s = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t pair = 0; pair < kBlock / 2; ++pair) {
-      const int64_t kp = b * (kBlock / 2) + pair;
-      __m512bh xv[MV];
-      for (int j = 0; j < MV; ++j) xv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xp + kp * stride + j * kBfLanes));
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        uint32_t wpair;
-        std::memcpy(&wpair, q + c * k + 2 * kp, 4);
-        const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(wpair)));
-        for (int j = 0; j < MV; ++j) sum[c][j] = _mm512_dpbf16_ps(sum[c][j], xv[j], wv);
-      }
-    }
-    for (int c = 0; c < NC; ++c) {
-      const __m512 dv = _mm512_set1_ps(d[c * blocks + b]);
-      for (int j = 0; j < MV; ++j) {
-        acc[c][j] = _mm512_fmadd_ps(sum[c][j], dv, acc[c][j]);
-        if constexpr (HasMin) {
-          acc[c][j] = _mm512_fmadd_ps(_mm512_set1_ps(mn[c * blocks + b]),
-                                      _mm512_loadu_ps(xs + b * stride + j * kBfLanes), acc[c][j]);
-        }
-      }
-    }
-  }
-  for (int c = 0; c < NC; ++c)
-    for (int j = 0; j < MV; ++j) _mm512_storeu_ps(acc_io + (c * MV + j) * kBfLanes, acc[c][j]);
-}
-
-constexpr int64_t kBf16ChunkBlocks = 4;  // blocks a pass: the tile's rows of x (8 KiB) and the block's codes (16 KiB)
-
-template <Format F>
-void bf16_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
-                 int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
-  constexpr bool kHasMin = F == Format::kQ4_1;
-  constexpr int64_t kTileRows = kRowVectors * kBfLanes;
-  const int64_t nb = k / kBlock, tiles = (m + kTileRows - 1) / kTileRows;
-  // x in tiles of kTileRows rows (as pack_rows_float): pairs of k, xp[tile][k / 2][rows] (each 32 bits two
-  // bfloat16), and each block's sum of x, xs[tile][K / 32][rows].
-  std::vector<uint32_t> xp(tiles * (k / 2) * kTileRows, 0u);
-  std::vector<float> xs(kHasMin ? tiles * nb * kTileRows : 0, 0.f);
-  at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      for (int64_t r = t * kTileRows; r < std::min(m, (t + 1) * kTileRows); ++r) {
-        for (int64_t b = 0; b < nb; ++b) {
-          const at::BFloat16* src = x + r * k + b * kBlock;
-          float total = 0.f;
-          for (int64_t i = 0; i < kBlock; i += 2) {
-            uint32_t pair;
-            std::memcpy(&pair, src + i, 4);
-            xp[(t * (k / 2) + (b * kBlock + i) / 2) * kTileRows + r % kTileRows] = pair;
-            if constexpr (kHasMin) total += static_cast<float>(src[i]) + static_cast<float>(src[i + 1]);
-          }
-          if constexpr (kHasMin) xs[(t * nb + b) * kTileRows + r % kTileRows] = total;
-        }
-      }
-    }
-  });
-  const int64_t col_blocks = (n + kColsPerBlock - 1) / kColsPerBlock;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerTask / std::max<int64_t>(1, kColsPerBlock * k * m));
-  at::parallel_for(0, col_blocks, grain, [&](int64_t first, int64_t last) {
-    std::vector<uint16_t> q(kColsPerBlock * k);
-    std::vector<float> d(kColsPerBlock * nb), mn(kColsPerBlock * nb), acc(kColsPerBlock * kRowVectors * kBfLanes);
-    for (int64_t cb = first; cb < last; ++cb) {
-      const int64_t c0 = cb * kColsPerBlock, cols = std::min(kColsPerBlock, n - c0);
-      const int64_t padded = (cols + 2 * kColsPerTile - 1) / (2 * kColsPerTile) * (2 * kColsPerTile);
-      for (int64_t c = 0; c < cols; ++c)
-        decode_codes<F>(q.data() + c * k, d.data() + c * nb, mn.data() + c * nb, blocks + (c0 + c) * row_bytes, nb);
-      std::fill(q.begin() + cols * k, q.begin() + padded * k, uint16_t{0});
-      std::fill(d.begin() + cols * nb, d.begin() + padded * nb, 0.f);
-      std::fill(mn.begin() + cols * nb, mn.begin() + padded * nb, 0.f);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = t * kTileRows, rows = std::min(kTileRows, m - r0);
-        const int64_t vectors = rows > kBfLanes ? kRowVectors : 1, lanes = vectors * kBfLanes;
-        const uint32_t* xt = xp.data() + t * (k / 2) * kTileRows;
-        const float* xst = kHasMin ? xs.data() + t * nb * kTileRows : nullptr;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t b0 = 0; b0 < nb; b0 += kBf16ChunkBlocks) {
-          const int64_t b1 = std::min(nb, b0 + kBf16ChunkBlocks);
-          const int64_t step = vectors == kRowVectors ? kColsPerTile : 2 * kColsPerTile;
-          for (int64_t c = 0; c < padded; c += step) {
-            const uint16_t* qc = q.data() + c * k;
-            const float *dc = d.data() + c * nb, *mc = mn.data() + c * nb;
-            if (vectors == kRowVectors) {
-              bf16_tile<kRowVectors, kHasMin>(acc.data() + c * lanes, xt, xst, kTileRows, qc, dc, mc, k, b0, b1);
-            } else {
-              bf16_tile<1, kHasMin>(acc.data() + c * lanes, xt, xst, kTileRows, qc, dc, mc, k, b0, b1);
-            }
-          }
-        }
-        store_tile(out, n, acc.data(), lanes, r0, rows, c0, cols, bias);
-      }
-    }
-  });
-}
-#endif
-
-#if defined(REDSERVE_QUANT_BF16) && defined(REDSERVE_AMX_BF16)
-#define REDSERVE_QUANT_AMX 1
-// ---- many bfloat16 rows on AMX tiles (amx_tiles.h) ----------------------------------------------------------
+#if defined(REDSERVE_BF16_ROWS)
+#define REDSERVE_QUANT_BF16_ROWS 1
+// ---- many bfloat16 rows: AMX tiles (amx_tiles.h) or AVX-512 BF16 dot products (bf16_rows.h) ---------------------
 //
-// `redserve_amx::matmul` with W's rows dequantized to bfloat16: d q + m to float32 as `dequantize_block`, then
-// rounded once to the nearest bfloat16 (what a dequantized bfloat16 model multiplies by).
+// `redserve_amx::matmul` or `redserve_bf16::matmul` with W's rows dequantized to bfloat16: d q + m to float32 as
+// `dequantize_block`, then rounded once to the nearest bfloat16 (what a dequantized bfloat16 model multiplies by).
+//
+// Without AMX this replaced a vdpbf16ps path on the integer codes (a block's sums scaled by d and m every 32 k:
+// exact weights, but an FMA per 8 dot products and 6 loads per 8). SmolLM2's weights once (its projections and
+// LM head, Q4_1), two threads, old and new interleaved (benchmarks/bench_quant_kernel.py --op quant_matmul;
+// 2-core AMD EPYC, Zen 4, avx512_bf16 without AMX, 6 Dec 2026): 16 rows 25.1 / 27.5 -> 25.5 / 27.9 ms (level),
+// 32 rows 37.7 -> 29.7, 64 rows 62.7-75.5 -> 49.2-55.5 (1.14-1.36x), 256 rows 229 -> 180 (1.27x). Tried: decoding
+// the next block between the dot products (as the tiles do): 0.74-0.82x at 16 rows, level at 64.
 
 // One block's 32 weights as bfloat16: `dequantize_block`'s float32 values (the same multiply or FMA) rounded to
 // the nearest bfloat16, 16 at a time.
@@ -757,15 +618,27 @@ inline void dequantize_block_bf16(uint16_t* out, const uint8_t* p) {
   _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
 }
 
+// Decodes W's row col, blocks [first, last), to bfloat16 (the matmuls' `decode`).
 template <Format F>
-void amx_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
-                int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
-  constexpr int64_t kBytes = bytes_of<F>();
-  redserve_amx::matmul(out, x, bias, m, k, n, kBlock, [&](int64_t col, uint16_t* w, int64_t first, int64_t last) {
-    if (first == 0) redserve_amx::prefetch_next_block_row(blocks, col, n, row_bytes);
+struct Bf16Rows {
+  const uint8_t* blocks;
+  int64_t n, row_bytes;
+  void operator()(int64_t col, uint16_t* w, int64_t first, int64_t last) const {
+    if (first == 0) redserve_bf16::prefetch_next_block_row(blocks, col, n, row_bytes);
     const uint8_t* p = blocks + col * row_bytes;
-    for (int64_t b = first; b < last; ++b) dequantize_block_bf16<F>(w + b * kBlock, p + b * kBytes);
-  });
+    for (int64_t b = first; b < last; ++b) dequantize_block_bf16<F>(w + b * kBlock, p + b * bytes_of<F>());
+  }
+};
+
+template <Format F>
+void dot_matmul(at::BFloat16* out, const at::BFloat16* x, const uint8_t* blocks, const at::BFloat16* bias,
+                int64_t m, int64_t k, int64_t n, int64_t row_bytes) {
+#if defined(REDSERVE_AMX_BF16)
+  if (redserve_amx::permitted()) {
+    return redserve_amx::matmul(out, x, bias, m, k, n, kBlock, Bf16Rows<F>{blocks, n, row_bytes});
+  }
+#endif
+  redserve_bf16::matmul(out, x, bias, m, k, n, kBlock, Bf16Rows<F>{blocks, n, row_bytes});
 }
 #endif
 
@@ -827,16 +700,9 @@ void matmul_dispatch(torch::Tensor& out, const torch::Tensor& x, const torch::Te
   const T* xd = x.data_ptr<T>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   T* o = out.data_ptr<T>();
-#if defined(REDSERVE_QUANT_AMX)
+#if defined(REDSERVE_QUANT_BF16_ROWS)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (redserve_amx::permitted()) {
-      return with_format(f, [&]<Format F>() { amx_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
-    }
-  }
-#endif
-#if defined(REDSERVE_QUANT_BF16)
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    return with_format(f, [&]<Format F>() { bf16_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
+    return with_format(f, [&]<Format F>() { dot_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
   }
 #endif
   with_format(f, [&]<Format F>() { float_matmul<F>(o, xd, w, bias, m, k, n, row_bytes); });
@@ -856,7 +722,7 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
 
 // Whether quant_matmul multiplies bfloat16 x on AMX tiles (this build has them and the process may use them).
 bool amx_matmul_used() {
-#if defined(REDSERVE_QUANT_AMX)
+#if defined(REDSERVE_QUANT_BF16_ROWS) && defined(REDSERVE_AMX_BF16)
   return redserve_amx::permitted();
 #else
   return false;
@@ -864,7 +730,7 @@ bool amx_matmul_used() {
 }
 
 bool native_bf16_matmul() {
-#if defined(REDSERVE_QUANT_BF16)
+#if defined(REDSERVE_QUANT_BF16_ROWS)
   return true;
 #else
   return false;
@@ -882,6 +748,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_matmul", &q8_matmul_built, "whether this build has quant_matmul_q8 (AVX-512 VNNI)");
   m.def("amx_matmul", &amx_matmul_used,
         "whether quant_matmul multiplies bfloat16 x on AMX tiles (the weights rounded to bfloat16 first)");
-  m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul multiplies bfloat16 x with vdpbf16ps");
+  m.def("native_bf16_matmul", &native_bf16_matmul,
+        "whether quant_matmul multiplies bfloat16 x natively, the weights rounded to bfloat16 first (AMX tiles or "
+        "AVX-512 BF16 dot products)");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 or bfloat16 weights of GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 block rows");
 }

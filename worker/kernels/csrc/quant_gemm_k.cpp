@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bf16_rows.h"
 #include "q8_matmul.h"
 #include "quant_rows.h"
 
@@ -374,12 +375,21 @@ void quant_matmul_q8(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, i
 #endif
 }
 
-// quant_matmul: many bfloat16 rows on AMX tiles (amx_tiles.h), W's rows dequantized as `dequantize_block` does
-// (float32) and rounded once to bfloat16. Only where the tiles are there: elsewhere the layer takes the
-// dequantized tiles and F.linear (`amx_matmul()` says which).
+// quant_matmul: many bfloat16 rows on AMX tiles (amx_tiles.h) or, without them, AVX-512 BF16 dot products
+// (bf16_rows.h), W's rows dequantized as `dequantize_block` does (float32) and rounded once to bfloat16. Only
+// where one of them is there: elsewhere the layer takes the dequantized tiles and F.linear
+// (`native_bf16_matmul()` says which; `amx_matmul()` whether the tiles run it).
 bool amx_matmul_used() {
 #if defined(REDSERVE_AMX_BF16)
   return redserve_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+bool native_bf16_matmul() {
+#if defined(REDSERVE_BF16_ROWS)
+  return true;
 #else
   return false;
 #endif
@@ -389,14 +399,14 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
                   c10::optional<torch::Tensor> bias) {
   const Format f = checked_format(ggml_type, "quant_matmul");
   check_linear_args("quant_matmul", out, x, blocks, kSuper, block_bytes(f), bias);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_matmul: bfloat16 x only (AMX tiles)");
-  TORCH_CHECK(amx_matmul_used(), "quant_matmul: this build or process has no AMX tiles");
-#if defined(REDSERVE_AMX_BF16)
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_matmul: bfloat16 x only");
+  TORCH_CHECK(native_bf16_matmul(), "quant_matmul: this build has neither AMX tiles nor AVX-512 BF16");
+#if defined(REDSERVE_BF16_ROWS)
   const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), row_bytes = blocks.size(1);
   if (m == 0 || n == 0) return;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   const auto decode = [&](int64_t col, uint16_t* row, int64_t first, int64_t last) {
-    if (first == 0) redserve_amx::prefetch_next_block_row(w, col, n, row_bytes);
+    if (first == 0) redserve_bf16::prefetch_next_block_row(w, col, n, row_bytes);
     alignas(64) float values[kSuper];
     for (int64_t sb = first; sb < last; ++sb) {
       const uint8_t* p = w + col * row_bytes + sb * block_bytes(f);
@@ -411,8 +421,13 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
       }
     }
   };
-  redserve_amx::matmul(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(),
-                       bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, m, k, n, kSuper, decode);
+  auto* o = out.data_ptr<at::BFloat16>();
+  const auto* xd = x.data_ptr<at::BFloat16>();
+  const auto* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+#if defined(REDSERVE_AMX_BF16)
+  if (redserve_amx::permitted()) return redserve_amx::matmul(o, xd, b, m, k, n, kSuper, decode);
+#endif
+  redserve_bf16::matmul(o, xd, b, m, k, n, kSuper, decode);
 #endif
 }
 
@@ -420,8 +435,10 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor blocks, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul,
-        "out = x @ dequantize(blocks).T (+ bias) for many bfloat16 rows of x on AMX tiles (weights rounded to bfloat16)");
-  m.def("amx_matmul", &amx_matmul_used, "whether quant_matmul runs here (AMX tiles in this build and process)");
+        "out = x @ dequantize(blocks).T (+ bias) for many bfloat16 rows of x, the weights rounded to bfloat16 (AMX "
+        "tiles, else AVX-512 BF16 dot products)");
+  m.def("amx_matmul", &amx_matmul_used, "whether quant_matmul runs on AMX tiles here (this build and process)");
+  m.def("native_bf16_matmul", &native_bf16_matmul, "whether quant_matmul runs here (AMX tiles or AVX-512 BF16)");
   m.def("quant_linear", &quant_linear, "out = x @ dequantize(blocks).T (+ bias), GGUF Q4_K / Q6_K blocks");
   m.def("dequantize_rows", &dequantize_rows, "out = the float32 or bfloat16 weights of GGUF Q4_K / Q6_K block rows");
   m.def("quant_matmul_q8", &quant_matmul_q8,
