@@ -167,19 +167,8 @@ void matmul(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* bias, 
             const int64_t col = c0 + wc + half * R;
             if (col >= c0 + cols) break;
             const auto live = static_cast<__mmask16>((1u << std::min(R, c0 + cols - col)) - 1u);
-            const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col)), 16))
-                                  : _mm512_setzero_ps();
-            for (int64_t j = 0; j < xt; ++j) {
-              const int64_t row0 = (t + j) * R;
-              __m512 columns[16];
-              transpose16(c + (2 * half + j) * R * R, columns);
-              for (int64_t r = 0; r < std::min(R, m - row0); ++r) {
-                const __m512 v = _mm512_add_ps(columns[r], b);
-                _mm256_mask_storeu_epi16(out + (row0 + r) * n + col, live,
-                                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-              }
-            }
+            const __m512 b = bias_lanes(bias, col, live);
+            for (int64_t j = 0; j < xt; ++j) store_transposed(out, n, c + (2 * half + j) * R * R, (t + j) * R, m, col, live, b);
           }
         }
       }

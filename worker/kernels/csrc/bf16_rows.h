@@ -96,6 +96,24 @@ inline void transpose16(const float* t, __m512 out[16]) {
   transpose16(r, out);
 }
 
+// The bias of out's columns [col, col + 16) where `live` (zero elsewhere, or without a bias), as float32 lanes.
+inline __m512 bias_lanes(const at::BFloat16* bias, int64_t col, __mmask16 live) {
+  return bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col)), 16))
+              : _mm512_setzero_ps();
+}
+
+// A 16 x 16 float32 tile of sums, t[i * 16 + r] for out's column col + i and row row0 + r, into out (rows past
+// m and columns outside `live` untouched): transposed in registers, plus the bias lanes, rounded once.
+inline void store_transposed(at::BFloat16* out, int64_t n, const float* t, int64_t row0, int64_t m, int64_t col,
+                             __mmask16 live, __m512 b) {
+  __m512 rows[16];
+  transpose16(t, rows);
+  for (int64_t r = 0; r < std::min(kRows, m - row0); ++r) {
+    const __m512 v = _mm512_add_ps(rows[r], b);
+    _mm256_mask_storeu_epi16(out + (row0 + r) * n + col, live, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
 // x [M, K] as tiles of 16 rows: xp[t][K / 2][16] 32-bit pairs (k even, k + 1) of row 16 t + i; rows past M zero.
 // Each 16 rows x 16 pairs is one 16 x 16 transpose of 32-bit lanes (transpose16), on the calling thread: a few
 // microseconds at 64 rows, less than a parallel region's start (it was a 4-byte copy a pair over threads).
@@ -225,19 +243,9 @@ void matmul(at::BFloat16* out, const at::BFloat16* x, const at::BFloat16* bias, 
         for (int64_t h = 0; h < cols; h += R) {
           const int64_t col = c0 + h;
           const auto live = static_cast<__mmask16>((1u << std::min(R, cols - h)) - 1u);
-          const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + col)), 16))
-                                : _mm512_setzero_ps();
-          for (int64_t j = 0; j < mv; ++j) {
-            const int64_t row0 = (t + j) * R;
-            __m512 rows[16];
-            transpose16(c.get() + (j * kColsPerBlock + h) * R, rows);
-            for (int64_t r = 0; r < std::min(R, m - row0); ++r) {
-              const __m512 v = _mm512_add_ps(rows[r], b);
-              _mm256_mask_storeu_epi16(out + (row0 + r) * n + col, live,
-                                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-            }
-          }
+          const __m512 b = bias_lanes(bias, col, live);
+          for (int64_t j = 0; j < mv; ++j)
+            store_transposed(out, n, c.get() + (j * kColsPerBlock + h) * R, (t + j) * R, m, col, live, b);
         }
       }
     }
