@@ -3,10 +3,11 @@
 //
 // x is packed once a call as pairs of k for 16 rows (`pack_pairs`: the "VNNI" layout, 64 bytes a pair of k), and
 // W's rows are decoded a column block at a time (`BlockDecoder`) into a buffer, natural layout (K bfloat16 a row).
-// `matmul`'s micro-tile is 4 rows of W (columns of out) by up to 64 rows of x: per pair of k, a 64-byte load of
-// each 16 rows of x and a 4-byte broadcast of each W row's pair, and `vdpbf16ps` (16 lanes of two products) for
-// each of the up to 16 accumulators: 8 loads per 16 dot products. A column block's accumulators go out through a
-// buffer, 16 x 16 at a time transposed in registers (`transpose16`) into rows of out, plus the bias, rounded once.
+// `matmul`'s micro-tile is 4 rows of W (columns of out) by 64 rows of x (fewer rows of x: 8 W rows by 32, 16 by
+// 16): per pair of k, a 64-byte load of each 16 rows of x and a 4-byte broadcast of each W row's pair, and
+// `vdpbf16ps` (16 lanes of two products) for each of the 16 accumulators: 8 loads per 16 dot products at 64 rows.
+// A column block's accumulators go out through a buffer, 16 x 16 at a time transposed in registers
+// (`transpose16`) into rows of out, plus the bias, rounded once.
 //
 // Why not quant_gemm.cpp's older vdpbf16ps path (codes times x, each 32-k block's sums scaled by d and m): per
 // 32 k it zeroed and scaled its sums (an FMA per 8 dot products) and read 6 loads per 8 dot products. Measured on
