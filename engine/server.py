@@ -162,6 +162,7 @@ class EngineServer:
             self.registry.deregister(self.engine_id)
             return 1
         self.waves.load()
+        self.waves.start_polling()  # `{rs}:wave` read off the busy loop (engine.dp_wave rules)
         self.core.block_manager.track_events()
         self._mark_ready()
         logger.info("engine %s READY: %d KV blocks of %d tokens, max_model_len %d", self.engine_id,
@@ -183,6 +184,7 @@ class EngineServer:
         self.output_queue.put(None)
         threads[1].join(timeout=10)
         threads[0].join(timeout=2)  # its read blocks 0.2 s at most: let it end before the stream is deleted
+        self.waves.stop_polling()
         heartbeat.stop()
         self.registry.deregister(self.engine_id)
         self.presence.stop()

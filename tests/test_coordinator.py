@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -203,6 +204,37 @@ def test_engine_leaves_the_wave_when_the_counter_passes_it(redis_client, redis_k
     assert not waves.running
     waves.on_start_wave(StartWave(1, "1"))  # its own: ignored
     assert not waves.running
+
+
+def test_with_its_poller_the_busy_loop_never_reads_the_counter_itself(redis_client, redis_keys):
+    """`start_polling` (what the server runs): the "engine-wave" thread reads `{rs}:wave`; `update` on the busy
+    loop only takes its latest read, except to join a wave, so a step never waits on a Redis round trip."""
+    waves = DpWaves(redis_client, redis_keys, "1", poll_interval=0.02)
+    waves.on_start_wave(StartWave(0, "0"))
+    reads = []
+    real_read = waves._read
+    waves._read = lambda: reads.append(threading.current_thread().name) or real_read()
+    waves.start_polling()
+    try:
+        assert waves.update(busy=True) is None  # became busy inside a running wave: no read
+        redis_client.set(redis_keys.wave(), 1)  # the coordinator closed wave 0 as this work arrived
+        deadline = time.monotonic() + 5
+        while (msg := waves.update(busy=True)) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert msg == StartWave(1, "1") and (waves.wave, waves.running) == (1, True)
+        redis_client.set(redis_keys.wave(), 2)
+        while waves.running and time.monotonic() < deadline:
+            assert waves.update(busy=False) is None
+            time.sleep(0.005)
+        assert (waves.wave, waves.running) == (2, False)
+        assert reads and set(reads) == {"engine-wave"}
+        reads.clear()
+        time.sleep(0.1)
+        assert reads == []  # out of a wave: the poller reads nothing
+        assert waves.update(busy=True) == StartWave(2, "1") and reads == ["MainThread"]  # joining reads at once
+    finally:
+        waves.stop_polling()
+    assert not any(t.name == "engine-wave" for t in threading.enumerate())
 
 
 def test_busy_engine_behind_the_counter_starts_the_new_wave(redis_client, redis_keys):
