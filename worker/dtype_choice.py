@@ -11,7 +11,8 @@ Rules:
   win, served, against float32: on a 2-core Xeon with AMX (5 Dec 2026) the tiny model's c=64 throughput 2.1x and
   c=1 TPOT 0.54x, SmolLM2 Q4_1 blocks 2.6x and 0.94x; on a 2-core AMD EPYC (Zen 4, AVX512-BF16 without AMX,
   6 Dec 2026, once the bf16 kernels used its dot products: csrc/bf16_rows.h, small_gemm's bf16 path) the tiny
-  model's c=64 1.51x and c=1 TPOT 0.61x, SmolLM2 Q4_1 blocks c=64 2.08x and c=1 TPOT 0.76x (470.6 against 225.8
+  model's c=64 1.71x and c=1 TPOT 0.57x (1,621 against 947 tok/s, 3.90 against 6.85 ms; vLLM bf16 1,127 tok/s and
+  7.21 ms in that sitting), SmolLM2 Q4_1 blocks c=64 2.08x and c=1 TPOT 0.76x (470.6 against 225.8
   tok/s, 9.2 against 12.2 ms). (Before those kernels, 4 Dec 2026, bfloat16 lost there at one stream: 10.7
   against 7.9 ms.) Arm's BF16 float32 rule is unmeasured, so a float32 checkpoint stays float32 there. Without
   native bfloat16 a bf16 matmul is emulated and several times slower than float32 at batch > 1.

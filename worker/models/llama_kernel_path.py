@@ -70,7 +70,7 @@ class _Layer:
     o: Linear
     gate_up: Linear
     down: Linear
-    split: list[int]
+    head_split: list[int]  # q, k, v heads of the qkv output seen as [tokens, heads, head_dim]
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -83,14 +83,13 @@ class _Layer:
 
 def _bind_layer(layer) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
-    q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     return _Layer(
         input_norm=_Norm.of(layer.input_layernorm), post_norm=_Norm.of(layer.post_attention_layernorm),
         q_norm=_Norm.of(attn.q_norm) if attn.q_norm is not None else None,
         k_norm=_Norm.of(attn.k_norm) if attn.k_norm is not None else None,
         qkv=_bound_linear(attn.qkv_proj), o=_bound_linear(attn.o_proj),
         gate_up=_bound_linear(mlp.gate_up_proj), down=_bound_linear(mlp.down_proj),
-        split=[q_size, kv_size, kv_size], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+        head_split=[attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, cos=attn.rotary.cos, sin=attn.rotary.sin, scale=attn.attn.scale,
         window=attn.attn.sliding_window or 0, softcap=attn.attn.softcap or 0.0)
 
@@ -132,7 +131,7 @@ class LlamaKernelPath:
                                                  batch.context_lens, batch.block_size)
         positions = positions.long().contiguous()
         tokens = hidden.shape[0]
-        out = None
+        out = act = None  # attention's and the activation's outputs, reused by every layer of the same shapes
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             norm = layer.input_norm
             if residual is None:
@@ -140,10 +139,7 @@ class LlamaKernelPath:
                 rms_norm(hidden, residual, norm.weight, norm.eps, norm.offset)
             else:
                 add_rms_norm(hidden, residual, norm.weight, norm.eps, norm.offset)
-            q, k, v = layer.qkv(hidden).split(layer.split, dim=-1)
-            q = q.view(tokens, layer.num_heads, layer.head_dim)
-            k = k.view(tokens, layer.num_kv_heads, layer.head_dim)
-            v = v.view(tokens, layer.num_kv_heads, layer.head_dim)
+            q, k, v = layer.qkv(hidden).view(tokens, -1, layer.head_dim).split(layer.head_split, dim=1)
             if layer.q_norm is not None:
                 rms_norm(q, q, layer.q_norm.weight, layer.q_norm.eps, layer.q_norm.offset)
                 rms_norm(k, k, layer.k_norm.weight, layer.k_norm.eps, layer.k_norm.offset)
@@ -158,7 +154,8 @@ class LlamaKernelPath:
             norm = layer.post_norm
             add_rms_norm(hidden, residual, norm.weight, norm.eps, norm.offset)
             gate_up = layer.gate_up(hidden)
-            act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=gate_up.dtype)
+            if act is None or act.shape[1] != gate_up.shape[1] // 2:
+                act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=gate_up.dtype)
             ops.silu_and_mul(act, gate_up)
             hidden = layer.down(act)
         return hidden, residual
