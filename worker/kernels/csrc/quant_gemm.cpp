@@ -222,6 +222,12 @@ inline void dot_tile(float* out, const uint8_t* w, int64_t row_bytes, const Quan
 // order against x's natural order, as |w| and x with w's sign (AVX-512 has no vpsignb: x negated under the mask
 // of w's sign bits), so the sums stay exact. Q5_0: the nibbles as Q4's, plus 16 where the two blocks' qh bits
 // (one 64-bit mask: b's 32 bits, then b + 1's) say so.
+// Q8_0 also asks for the whole tile four tiles ahead into L2 as a tile starts: without the software prefetch the
+// walk is latency-bound (0.65-0.75x), the hardware prefetcher does not carry a tile's four interleaved row streams,
+// and Q8_0's rows (612 bytes at K = 576) outrun the per-pair prefetch. Every SmolLM2 weight once in Q8_0 at one row
+// (benchmarks/bench_quant_kernel.py --rev, 2-core AMD EPYC, Zen 4, 6 Dec 2026, three runs, a noisy VM): one thread
+// 18.3 -> 12.0 ms, two 9.5 -> 6.6, 11.8 -> 8.0, 9.3 -> 6.9 ms (1.24-1.53x); 2 rows 1.06-1.18x, 4 rows level. The same
+// for Q4_1 was level and for Q5_0 0.87-0.89x, so only Q8_0 takes it. Unmeasured on the AMX Xeon.
 template <Format F, int ROWS, int XS>
 inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const QuantizedRows& x, int64_t x0) {
   constexpr int64_t kBytes = bytes_of<F>(), kNibbles = nibbles_at<F>();
@@ -233,6 +239,10 @@ inline void dot_tile_zmm(float* out, const uint8_t* w, int64_t row_bytes, const 
   __m512 acc[XS][ROWS];
   for (int j = 0; j < XS; ++j)
     for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm512_setzero_ps();
+  if constexpr (F == Format::kQ8_0) {  // the tile four tiles ahead, whole, into L2 (see the comment above)
+    const char* ahead = reinterpret_cast<const char*>(w + 4 * ROWS * row_bytes);
+    for (int64_t off = 0; off < ROWS * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
+  }
   for (int64_t b0 = 0; b0 < paired; b0 += 16) {
     const int64_t n = std::min<int64_t>(16, paired - b0);
     const auto live = static_cast<__mmask16>((1u << n) - 1u);
