@@ -389,3 +389,42 @@ def test_bfloat16_decode_matches_float64(decode_kernel, group: int, dim: int, bl
                                   torch.tensor(contexts, dtype=torch.int32), block_size, dim ** -0.5, window, softcap)
     expected = decode_reference(q, cache, tables, torch.tensor(contexts), block_size, window, softcap)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("window", [0, 23, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_decode_batches_split_by_keys_match_one_pass(decode_kernel, threads: int, window: int,
+                                                           dtype: torch.dtype) -> None:
+    """With fewer tiles than 4 a thread, a decode with keys for two or more pieces of two blocks is split by keys
+    (pieces over all KV heads, merged after the pass): the same attention as one pass (one thread never splits) and
+    as float64, for SmolLM2's heads, at batch 1 and 2, with and without a sliding window."""
+    kv_heads, group, dim, block_size = 3, 3, 64, 16
+    gen, rng = torch.Generator().manual_seed(window + threads), random.Random(window)
+    for contexts in ([1000], [33, 300], [5, 64]):
+        blocks = [-(-c // block_size) for c in contexts]
+        pool = list(range(sum(blocks) + 5))
+        rng.shuffle(pool)
+        tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+        for s, part in enumerate(split(pool, blocks)):
+            tables[s, :len(part)] = torch.tensor(part, dtype=torch.int32)
+        cache = (torch.randn(2, len(pool) * block_size, kv_heads, dim, generator=gen) * 2).to(dtype)
+        q = (torch.randn(len(contexts), kv_heads * group, dim, generator=gen) * 2).to(dtype)
+        rows = torch.arange(len(contexts), dtype=torch.int32)
+        outs = []
+        before = torch.get_num_threads()
+        try:
+            for n in (1, threads):
+                torch.set_num_threads(n)
+                out = torch.full_like(q, float("nan"))
+                decode_kernel.paged_attention(out, q, cache[0], cache[1], tables, rows, torch.ones_like(rows),
+                                              torch.tensor(contexts, dtype=torch.int32), block_size, dim ** -0.5,
+                                              window, 0.0)
+                outs.append(out)
+        finally:
+            torch.set_num_threads(before)
+        expected = decode_reference(q, cache, tables, torch.tensor(contexts), block_size, window, 0.0)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(outs[1].double(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol / 10, rtol=tol / 10)

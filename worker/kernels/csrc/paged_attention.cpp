@@ -48,6 +48,17 @@
 // spread, caches from DRAM: 23.3-25.1 -> 19.5-20.7 ms a step of 30 layers (12.6 -> 14.5 GB/s; 15-17%, the two
 // parts 6-8% and 3%), one thread 44.2 -> 40.5 ms, caches in L2/L3 11.8 -> 11.2 ms, batch 1 x 300 0.60 -> 0.57 ms;
 // the float32 path (tiny model's heads) unchanged. Two blocks ahead, or a second one into L2, was 1-3.5% slower or level.
+//
+// Small decode batches (fewer tiles than 4 a thread, e.g. one stream) split a decode by keys instead of by heads
+// (make_tasks): pieces of whole blocks over all KV heads, each keeping its rows' running max, sum and unnormalised
+// accumulators in a partial that merge_splits folds into out after the pass. At SmolLM2's batch 1 one head a task
+// gave 3 tasks to 2 threads and walked each block in 128-byte pieces of 384-byte rows. And a thread's scratch is
+// a thread-local buffer that only grows, not vectors allocated and zeroed every call. Measured in place (the
+// offline engine, SmolLM2 Q8_0, bfloat16, batch 1, 300 steps from a 192-token prompt, the 30 calls of each step
+// timed, three runs of 100 steps as the context grows; 2-core AMD EPYC, Zen 4, 6 Dec 2026): 0.84 / 1.16 / 1.42 ms
+// a step -> 0.66 / 0.96 / 1.12 with the scratch alone -> 0.65 / 0.80 / 0.98 with both. A call at a context of one
+// block (benchmarks/ab_paged_attention.py --batch 1 --context 16 --hot): 4.7 -> 3.7 us. Batches of 4 tiles a
+// thread or more (a served c=64) take neither the split nor any other change.
 
 #include <torch/extension.h>
 
@@ -418,7 +429,28 @@ constexpr bool simd_decode_dtype() {
 struct Task {
   int64_t seq, first, count;     // first: index of the tile's first query within its sequence
   int64_t head_begin, head_end;  // KV heads; all of them when there are enough tasks without splitting
+  // A decode split by keys (see make_tasks): key positions [key_begin, key_end) only, and the rows' running max,
+  // sum and unnormalised accumulators go to partial `part` (merged after every task ran) instead of out.
+  int64_t key_begin = 0, key_end = std::numeric_limits<int64_t>::max(), part = -1;
 };
+
+// A partial of a decode split by keys: per query row of the sequence, its running max, its sum and d accumulators.
+inline int64_t partial_row(int64_t d) { return d + 2; }
+
+// Rows [0, rows) of a decode task's result: normalised into out (through `store`), or as they are into its partial.
+template <class Store>
+inline void finish_decode_rows(const Task& t, int64_t rows, int64_t d, const float* m, const float* l,
+                               const float* acc, float* partials, int64_t first_row, const Store& store) {
+  if (t.part < 0) {
+    for (int64_t r = 0; r < rows; ++r) store(r, acc + r * d, 1.f / l[r]);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = partials + (first_row + r) * partial_row(d);
+    dst[0] = m[r], dst[1] = l[r];
+    std::memcpy(dst + 2, acc + r * d, d * sizeof(float));
+  }
+}
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, window;
@@ -483,11 +515,27 @@ inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int6
 // caches from DRAM): SmolLM2's heads at batch 64 x 200 3-4% faster with two threads, 5% with one; the tiny
 // model's (--spread) 11%. Without any prefetch: 1.4x slower; two blocks ahead: 2-5% slower than one.
 
-// Scratch of one thread, sized once per parallel chunk: queries, accumulators, scores of one block.
+// Floats of a thread's scratch buffer (what a task reads there it has written first).
+struct Floats {
+  float* p;
+  float* data() const { return p; }
+  float* begin() const { return p; }
+  float& operator[](int64_t i) const { return p[i]; }
+};
+
+// Scratch of one thread: queries, accumulators, running maxima and sums, scores of one block. Views into a
+// thread-local buffer that only grows: a call neither allocates nor zeroes it (SmolLM2's heads: 84 KB a thread,
+// which cost ~3 us of a ~7 us call at batch 1 when it was allocated and zeroed for every call).
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores;
-  Scratch(int64_t rows, int64_t dim, int64_t block_size)
-      : q(rows * dim), acc(rows * dim), m(rows), l(rows), scores(rows * block_size) {}
+  Floats q, acc, m, l, scores;
+  Scratch(int64_t rows, int64_t dim, int64_t block_size) {
+    thread_local std::vector<float> buffer;
+    const size_t need = static_cast<size_t>(rows * (2 * dim + 2 + block_size));
+    if (buffer.size() < need) buffer.resize(need);
+    float* p = buffer.data();
+    q = {p}, acc = {p + rows * dim}, m = {p + 2 * rows * dim}, l = {p + 2 * rows * dim + rows};
+    scores = {p + 2 * rows * dim + 2 * rows};
+  }
 };
 
 template <typename T>
@@ -555,7 +603,7 @@ void run_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
 // slot, all the task's KV heads of a slot at once (one contiguous run of memory), every query head of a
 // GQA group scored against a key row while it is in registers; then the values the same way.
 template <typename T>
-void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
+void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& x, float* partials) {
   const int64_t nh = t.head_end - t.head_begin, rows = nh * s.group;
   const int64_t d = s.dim, bs = s.block_size;
   const int64_t context = w.context_lens[t.seq];
@@ -569,14 +617,15 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
   std::fill_n(x.acc.begin(), rows * d, 0.f);
   std::fill_n(x.m.begin(), rows, kNegInf);
   std::fill_n(x.l.begin(), rows, 0.f);
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
+  const int64_t lo = std::max(t.key_begin, s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0);
+  const int64_t hi = std::min(qpos + 1, t.key_end);  // keys [lo, hi)
   const int32_t* table = w.tables + t.seq * w.table_row;
   const bool simd = simd_decode_dtype<T>() && d % 8 == 0;
-  for (int64_t b = lo / bs; b <= qpos / bs; ++b) {
-    const int64_t begin = std::max(lo, b * bs), end = std::min(qpos + 1, (b + 1) * bs);
+  for (int64_t b = lo / bs; lo < hi && b <= (hi - 1) / bs; ++b) {
+    const int64_t begin = std::max(lo, b * bs), end = std::min(hi, (b + 1) * bs);
     const int64_t n = end - begin;
     const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
-    if (b < qpos / bs) prefetch_block(w, t, table[b + 1], bs);
+    if (b < (hi - 1) / bs) prefetch_block(w, t, table[b + 1], bs);
     if (simd) {  // per query row, eight keys of its KV head per pass (the block stays in L1 across rows)
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (simd_decode_dtype<T>()) {
@@ -656,12 +705,11 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / x.l[r];
+  finish_decode_rows(t, rows, d, x.m.data(), x.l.data(), x.acc.data(), partials, t.head_begin * s.group,
+                     [&](int64_t r, const float* acc, float inv) {
     T* dst = w.out + row0 * w.out_row + (t.head_begin * s.group + r) * w.out_head;
-    const float* acc = x.acc.data() + r * d;
     for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[e] * inv);
-  }
+  });
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -670,7 +718,7 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
 // vdpbf16ps (the query as it is, the scale applied to the sums), the online softmax runs on the 16 scores in one
 // register, and the group's rows then accumulate the 16 values together, their rescale folded into the load of
 // the accumulators. Scores go through memory only as probabilities, read by the value pass.
-void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Shape& s, Scratch& x) {
+void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Shape& s, Scratch& x, float* partials) {
   const int64_t nh = t.head_end - t.head_begin, rows = nh * s.group;
   const int64_t d = s.dim, bs = s.block_size;
   const int64_t qpos = w.context_lens[t.seq] - 1;
@@ -680,12 +728,13 @@ void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Sh
   std::fill_n(x.l.begin(), rows, 0.f);
   alignas(64) float p[kMaxGroupBf16 * 16], correction[kMaxGroupBf16];
   const __m512 scale = _mm512_set1_ps(s.scale), neg_inf = _mm512_set1_ps(kNegInf);
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
+  const int64_t lo = std::max(t.key_begin, s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0);
+  const int64_t hi = std::min(qpos + 1, t.key_end);  // keys [lo, hi)
   const int32_t* table = w.tables + t.seq * w.table_row;
-  for (int64_t b = lo / bs; b <= qpos / bs; ++b) {
-    const int64_t begin = std::max(lo, b * bs), end = std::min(qpos + 1, (b + 1) * bs);
+  for (int64_t b = lo / bs; lo < hi && b <= (hi - 1) / bs; ++b) {
+    const int64_t begin = std::max(lo, b * bs), end = std::min(hi, (b + 1) * bs);
     const int64_t slot_b = static_cast<int64_t>(table[b]) * bs - b * bs;  // key position pos sits at slot_b + pos
-    const int64_t next_slot = b < qpos / bs ? static_cast<int64_t>(table[b + 1]) * bs : -1;
+    const int64_t next_slot = b < (hi - 1) / bs ? static_cast<int64_t>(table[b + 1]) * bs : -1;
     for (int64_t j0 = begin; j0 < end; j0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, end - j0));
       const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
@@ -742,22 +791,21 @@ void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Sh
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / x.l[r];
+  finish_decode_rows(t, rows, d, x.m.data(), x.l.data(), x.acc.data(), partials, t.head_begin * s.group,
+                     [&](int64_t r, const float* acc, float inv) {
     c10::BFloat16* dst = w.out + w.query_start[t.seq] * w.out_row + (t.head_begin * s.group + r) * w.out_head;
-    const float* acc = x.acc.data() + r * d;
     for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<c10::BFloat16>(acc[e] * inv);
-  }
+  });
 }
 #endif
 
 // The decode task on the CPU's native bfloat16 path where it serves the dtype and shape; false: not served.
 template <typename T>
-inline bool run_decode_task_native(const Task& t, const Views<T>& w, const Shape& s, Scratch& x) {
+inline bool run_decode_task_native(const Task& t, const Views<T>& w, const Shape& s, Scratch& x, float* partials) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (s.dim % 32 == 0 && s.group <= kMaxGroupBf16) {
-      run_decode_task_bf16(t, w, s, x);
+      run_decode_task_bf16(t, w, s, x, partials);
       return true;
     }
   }
@@ -765,22 +813,79 @@ inline bool run_decode_task_native(const Task& t, const Views<T>& w, const Shape
   return false;
 }
 
+// A decode split by keys: its sequence and its partials [first_part, first_part + parts), merged into its rows.
+struct Split {
+  int64_t seq, first_part, parts;
+};
+
+constexpr int64_t kMinSplitBlocks = 2;  // blocks of keys that a piece of a split decode reads at least
+
 // Tiles of up to kQueryTile queries per sequence. A task takes all KV heads of a tile (each block is then
-// read as one contiguous run of rows) unless that leaves too few tasks for the threads; then one head each.
-std::vector<Task> make_tasks(const at::Tensor& query_lens, int64_t kv_heads) {
+// read as one contiguous run of rows) unless that leaves too few tasks for the threads. Then a decode with keys
+// for at least two pieces of kMinSplitBlocks blocks is split by keys into pieces (up to 4 x threads tasks in all),
+// each over all its KV heads, merged after the pass (`splits`); any other tile takes one KV head a task.
+// Why by keys: one head a task left 3 tasks to 2 threads at SmolLM2's batch 1 (one thread did two) and walked each
+// block in 128-byte pieces of 384-byte rows; a piece over all heads reads its blocks as contiguous runs.
+std::vector<Task> make_tasks(const at::Tensor& query_lens, const int32_t* contexts, const Shape& shape,
+                             std::vector<Split>& splits) {
   std::vector<Task> tiles;
   const int32_t* lens = query_lens.data_ptr<int32_t>();
   for (int64_t s = 0; s < query_lens.size(0); ++s) {
     for (int64_t first = 0; first < lens[s]; first += kQueryTile) {
-      tiles.push_back({s, first, std::min<int64_t>(kQueryTile, lens[s] - first), 0, kv_heads});
+      tiles.push_back({s, first, std::min<int64_t>(kQueryTile, lens[s] - first), 0, shape.kv_heads});
     }
   }
-  if (static_cast<int64_t>(tiles.size()) >= 4 * at::get_num_threads()) return tiles;
+  const int64_t threads = at::get_num_threads(), count = static_cast<int64_t>(tiles.size());
+  if (count >= 4 * threads) return tiles;
+  const int64_t pieces = (4 * threads + count - 1) / count, bs = shape.block_size;
   std::vector<Task> tasks;
+  int64_t parts = 0;
   for (const Task& tile : tiles) {
-    for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({tile.seq, tile.first, tile.count, h, h + 1});
+    const int64_t context = contexts[tile.seq];
+    const int64_t lo = shape.window > 0 ? std::max<int64_t>(0, context - shape.window) : 0;
+    const int64_t first_block = lo / bs, blocks = (context + bs - 1) / bs - first_block;
+    const int64_t n = tile.count == 1 && lens[tile.seq] == 1 && threads > 1
+                          ? std::min(pieces, blocks / kMinSplitBlocks) : 1;
+    if (n >= 2) {
+      for (int64_t i = 0; i < n; ++i) {
+        Task piece = tile;
+        piece.key_begin = (first_block + blocks * i / n) * bs;
+        piece.key_end = (first_block + blocks * (i + 1) / n) * bs;
+        piece.part = parts + i;
+        tasks.push_back(piece);
+      }
+      splits.push_back({tile.seq, parts, n});
+      parts += n;
+      continue;
+    }
+    for (int64_t h = 0; h < shape.kv_heads; ++h) tasks.push_back({tile.seq, tile.first, tile.count, h, h + 1});
   }
   return tasks;
+}
+
+// The rows of each split decode: the pieces' running maxima, sums and accumulators merged (the online softmax's
+// rescale, once per piece), normalised into out.
+template <typename T>
+void merge_splits(const std::vector<Split>& splits, const float* partials, const Views<T>& w, const Shape& s) {
+  const int64_t d = s.dim, stride = s.heads * partial_row(d);
+  std::vector<float> acc(d);
+  for (const Split& sp : splits) {
+    for (int64_t r = 0; r < s.heads; ++r) {
+      float top = kNegInf, l = 0.f;
+      for (int64_t i = 0; i < sp.parts; ++i) top = std::max(top, partials[(sp.first_part + i) * stride + r * partial_row(d)]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < sp.parts; ++i) {
+        const float* p = partials + (sp.first_part + i) * stride + r * partial_row(d);
+        if (p[1] == 0.f) continue;  // no keys in this piece (before a sliding window)
+        const float weight = std::exp(p[0] - top);
+        l += p[1] * weight;
+        for (int64_t e = 0; e < d; ++e) acc[e] += weight * p[2 + e];
+      }
+      const float inv = 1.f / l;
+      T* dst = w.out + w.query_start[sp.seq] * w.out_row + r * w.out_head;
+      for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[e] * inv);
+    }
+  }
 }
 
 // The first block a decode task reads (its query's window start), all its heads, into L2.
@@ -788,7 +893,8 @@ template <typename T>
 inline void prefetch_first_block(const Views<T>& w, const Shape& s, const Task& t) {
   if (t.count != 1 || w.query_lens[t.seq] != 1) return;
   const int64_t qpos = w.context_lens[t.seq] - 1;
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
+  const int64_t lo = std::max(t.key_begin, s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0);
+  if (lo > qpos) return;
   const int64_t b = lo / s.block_size;
   const int64_t slot0 = static_cast<int64_t>(w.tables[t.seq * w.table_row + b]) * s.block_size;
   const int64_t n = std::min(s.block_size, qpos + 1 - b * s.block_size);
@@ -804,7 +910,8 @@ inline void prefetch_first_block(const Views<T>& w, const Shape& s, const Task& 
 
 // A task's work, about: the keys it reads times the query rows that read them.
 inline int64_t task_cost(const Task& t, const int32_t* context_lens) {
-  return static_cast<int64_t>(context_lens[t.seq]) * t.count * (t.head_end - t.head_begin);
+  const int64_t keys = std::min<int64_t>(context_lens[t.seq], t.key_end) - t.key_begin;
+  return keys * t.count * (t.head_end - t.head_begin);
 }
 
 void check_int32(const at::Tensor& t, const char* name) {
@@ -835,8 +942,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   const Shape shape{heads, kv_heads, heads / kv_heads, q.size(2), block_size, window,
                     static_cast<float>(scale), static_cast<float>(softcap)};
-  std::vector<Task> tasks = make_tasks(query_lens, kv_heads);
   const int32_t* contexts = context_lens.data_ptr<int32_t>();
+  std::vector<Split> splits;
+  std::vector<Task> tasks = make_tasks(query_lens, contexts, shape, splits);
+  std::vector<float> partials(splits.empty() ? 0 : (splits.back().first_part + splits.back().parts) * heads *
+                                                       partial_row(shape.dim));
   std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {  // the longest first
     return task_cost(a, contexts) > task_cost(b, contexts);
   });
@@ -856,12 +966,16 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
         j = next.fetch_add(1, std::memory_order_relaxed);  // the task after this one: its first block into L2
         if (j < tasks.size()) prefetch_first_block(views, shape, tasks[j]);
         if (task.count == 1 && views.query_lens[task.seq] == 1) {
-          if (!run_decode_task_native(task, views, shape, scratch)) run_decode_task(task, views, shape, scratch);
+          float* part = task.part < 0 ? nullptr : partials.data() + task.part * heads * partial_row(shape.dim);
+          if (!run_decode_task_native(task, views, shape, scratch, part)) {
+            run_decode_task(task, views, shape, scratch, part);
+          }
         } else {
           run_task(task, views, shape, scratch);
         }
       }
     });
+    merge_splits(splits, partials.data(), views, shape);
   });
 }
 
