@@ -397,9 +397,10 @@ def test_bfloat16_decode_matches_float64(decode_kernel, group: int, dim: int, bl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_decode_batches_split_by_keys_match_one_pass(decode_kernel, threads: int, window: int,
                                                            dtype: torch.dtype) -> None:
-    """With fewer tiles than 4 a thread, a decode with keys for two or more pieces of two blocks is split by keys
-    (pieces over all KV heads, merged after the pass): the same attention as one pass (one thread never splits) and
-    as float64, for SmolLM2's heads, at batch 1 and 2, with and without a sliding window."""
+    """With fewer tiles than 4 a thread, and one KV head a task not spreading evenly over the threads (SmolLM2's 3 KV
+    heads at batch 1 on 2 or 4 threads, batch 2 on 4), a decode with keys for two or more pieces of two blocks is
+    split by keys (pieces over all KV heads, merged after the pass): the same attention as one pass (one thread
+    never splits) and as float64, with and without a sliding window."""
     kv_heads, group, dim, block_size = 3, 3, 64, 16
     gen, rng = torch.Generator().manual_seed(window + threads), random.Random(window)
     for contexts in ([1000], [33, 300], [5, 64]):
