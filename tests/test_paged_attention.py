@@ -342,6 +342,17 @@ def decode_kernel(request):
     return module
 
 
+def block_tables(contexts: list[int], block_size: int, rng: random.Random) -> tuple[torch.Tensor, int]:
+    """Block tables for sequences of these contexts over a shuffled pool (5 blocks spare), and the pool's size."""
+    blocks = [-(-c // block_size) for c in contexts]
+    pool = list(range(sum(blocks) + 5))
+    rng.shuffle(pool)
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+    for s, part in enumerate(split(pool, blocks)):
+        tables[s, :len(part)] = torch.tensor(part, dtype=torch.int32)
+    return tables, len(pool)
+
+
 def decode_reference(q, cache, tables, contexts, block_size, window, softcap) -> torch.Tensor:
     """Float64 decode attention of each row over its sequence's cached keys."""
     heads, kv_heads, dim = q.shape[1], cache.shape[2], q.shape[2]
@@ -375,13 +386,8 @@ def test_bfloat16_decode_matches_float64(decode_kernel, group: int, dim: int, bl
                                          softcap: float) -> None:
     gen, rng = torch.Generator().manual_seed(group * dim + block_size), random.Random(dim)
     kv_heads, contexts = 2, [1, 15, 16, 17, 33, 100, 161]
-    blocks = [-(-c // block_size) for c in contexts]
-    pool = list(range(sum(blocks) + 5))
-    rng.shuffle(pool)
-    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
-    for s, part in enumerate(split(pool, blocks)):
-        tables[s, :len(part)] = torch.tensor(part, dtype=torch.int32)
-    cache = (torch.randn(2, len(pool) * block_size, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
+    tables, num_blocks = block_tables(contexts, block_size, rng)
+    cache = (torch.randn(2, num_blocks * block_size, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
     q = (torch.randn(len(contexts), kv_heads * group, dim, generator=gen) * 2).to(torch.bfloat16)
     out = torch.full_like(q, float("nan"))
     rows = torch.arange(len(contexts), dtype=torch.int32)
@@ -404,13 +410,8 @@ def test_small_decode_batches_split_by_keys_match_one_pass(decode_kernel, thread
     kv_heads, group, dim, block_size = 3, 3, 64, 16
     gen, rng = torch.Generator().manual_seed(window + threads), random.Random(window)
     for contexts in ([1000], [33, 300], [5, 64]):
-        blocks = [-(-c // block_size) for c in contexts]
-        pool = list(range(sum(blocks) + 5))
-        rng.shuffle(pool)
-        tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
-        for s, part in enumerate(split(pool, blocks)):
-            tables[s, :len(part)] = torch.tensor(part, dtype=torch.int32)
-        cache = (torch.randn(2, len(pool) * block_size, kv_heads, dim, generator=gen) * 2).to(dtype)
+        tables, num_blocks = block_tables(contexts, block_size, rng)
+        cache = (torch.randn(2, num_blocks * block_size, kv_heads, dim, generator=gen) * 2).to(dtype)
         q = (torch.randn(len(contexts), kv_heads * group, dim, generator=gen) * 2).to(dtype)
         rows = torch.arange(len(contexts), dtype=torch.int32)
         outs = []
