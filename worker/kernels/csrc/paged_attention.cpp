@@ -437,16 +437,22 @@ struct Task {
 // A partial of a decode split by keys: per query row of the sequence, its running max, its sum and d accumulators.
 inline int64_t partial_row(int64_t d) { return d + 2; }
 
-// Rows [0, rows) of a decode task's result: normalised into out (through `store`), or as they are into its partial.
+// The first key a decode task at position qpos reads: its window's start, or its piece's if later.
+inline int64_t first_key(const Task& t, int64_t window, int64_t qpos) {
+  return std::max(t.key_begin, window > 0 ? std::max<int64_t>(0, qpos - window + 1) : 0);
+}
+
+// Rows [0, rows) of a decode task's result: normalised into out (through `store`), or as they are into its partial
+// (a split task covers every KV head, so its rows are the sequence's rows).
 template <class Store>
 inline void finish_decode_rows(const Task& t, int64_t rows, int64_t d, const float* m, const float* l,
-                               const float* acc, float* partials, int64_t first_row, const Store& store) {
+                               const float* acc, float* partials, const Store& store) {
   if (t.part < 0) {
     for (int64_t r = 0; r < rows; ++r) store(r, acc + r * d, 1.f / l[r]);
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = partials + (first_row + r) * partial_row(d);
+    float* dst = partials + r * partial_row(d);
     dst[0] = m[r], dst[1] = l[r];
     std::memcpy(dst + 2, acc + r * d, d * sizeof(float));
   }
@@ -617,7 +623,7 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
   std::fill_n(x.acc.begin(), rows * d, 0.f);
   std::fill_n(x.m.begin(), rows, kNegInf);
   std::fill_n(x.l.begin(), rows, 0.f);
-  const int64_t lo = std::max(t.key_begin, s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0);
+  const int64_t lo = first_key(t, s.window, qpos);
   const int64_t hi = std::min(qpos + 1, t.key_end);  // keys [lo, hi)
   const int32_t* table = w.tables + t.seq * w.table_row;
   const bool simd = simd_decode_dtype<T>() && d % 8 == 0;
@@ -705,8 +711,7 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
       }
     }
   }
-  finish_decode_rows(t, rows, d, x.m.data(), x.l.data(), x.acc.data(), partials, t.head_begin * s.group,
-                     [&](int64_t r, const float* acc, float inv) {
+  finish_decode_rows(t, rows, d, x.m.data(), x.l.data(), x.acc.data(), partials, [&](int64_t r, const float* acc, float inv) {
     T* dst = w.out + row0 * w.out_row + (t.head_begin * s.group + r) * w.out_head;
     for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<T>(acc[e] * inv);
   });
@@ -728,7 +733,7 @@ void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Sh
   std::fill_n(x.l.begin(), rows, 0.f);
   alignas(64) float p[kMaxGroupBf16 * 16], correction[kMaxGroupBf16];
   const __m512 scale = _mm512_set1_ps(s.scale), neg_inf = _mm512_set1_ps(kNegInf);
-  const int64_t lo = std::max(t.key_begin, s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0);
+  const int64_t lo = first_key(t, s.window, qpos);
   const int64_t hi = std::min(qpos + 1, t.key_end);  // keys [lo, hi)
   const int32_t* table = w.tables + t.seq * w.table_row;
   for (int64_t b = lo / bs; lo < hi && b <= (hi - 1) / bs; ++b) {
@@ -791,8 +796,7 @@ void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Sh
       }
     }
   }
-  finish_decode_rows(t, rows, d, x.m.data(), x.l.data(), x.acc.data(), partials, t.head_begin * s.group,
-                     [&](int64_t r, const float* acc, float inv) {
+  finish_decode_rows(t, rows, d, x.m.data(), x.l.data(), x.acc.data(), partials, [&](int64_t r, const float* acc, float inv) {
     c10::BFloat16* dst = w.out + w.query_start[t.seq] * w.out_row + (t.head_begin * s.group + r) * w.out_head;
     for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<c10::BFloat16>(acc[e] * inv);
   });
@@ -848,7 +852,7 @@ std::vector<Task> make_tasks(const at::Tensor& query_lens, const int32_t* contex
     const int64_t context = contexts[tile.seq];
     const int64_t lo = shape.window > 0 ? std::max<int64_t>(0, context - shape.window) : 0;
     const int64_t first_block = lo / bs, blocks = (context + bs - 1) / bs - first_block;
-    const int64_t n = tile.count == 1 && lens[tile.seq] == 1 && threads > 1 && !even
+    const int64_t n = tile.count == 1 && lens[tile.seq] == 1 && !even  // one thread: always even
                           ? std::min(pieces, blocks / kMinSplitBlocks) : 1;
     if (n >= 2) {
       for (int64_t i = 0; i < n; ++i) {
@@ -871,6 +875,7 @@ std::vector<Task> make_tasks(const at::Tensor& query_lens, const int32_t* contex
 // rescale, once per piece), normalised into out.
 template <typename T>
 void merge_splits(const std::vector<Split>& splits, const float* partials, const Views<T>& w, const Shape& s) {
+  if (splits.empty()) return;
   const int64_t d = s.dim, stride = s.heads * partial_row(d);
   std::vector<float> acc(d);
   for (const Split& sp : splits) {
@@ -897,7 +902,7 @@ template <typename T>
 inline void prefetch_first_block(const Views<T>& w, const Shape& s, const Task& t) {
   if (t.count != 1 || w.query_lens[t.seq] != 1) return;
   const int64_t qpos = w.context_lens[t.seq] - 1;
-  const int64_t lo = std::max(t.key_begin, s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0);
+  const int64_t lo = first_key(t, s.window, qpos);
   if (lo > qpos) return;
   const int64_t b = lo / s.block_size;
   const int64_t slot0 = static_cast<int64_t>(w.tables[t.seq * w.table_row + b]) * s.block_size;
