@@ -245,22 +245,24 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def bound_quant_linear(weight: BlockQuantizedWeight | ShardedBlockWeight, bias: torch.Tensor | None = None):
-    """``x -> quant_linear(x, weight, bias)`` for 2-D contiguous CPU x, bound once: up to the int8 path's rows the
-    kernel is called directly (no lookups, no checks but the rows and the dtype), else ``quant_linear``."""
+    """``(x, out=None) -> quant_linear(x, weight, bias)`` for 2-D contiguous CPU x, bound once: up to the int8
+    path's rows the kernel is called directly (no lookups, no checks but the rows and the dtype) and writes into
+    ``out`` when one is given ([rows, out features], x's dtype), else ``quant_linear`` (a new tensor)."""
     if isinstance(weight, ShardedBlockWeight):
         parts = [bound_quant_linear(part, _bias_span(bias, start, end)) for part, start, end in weight.spans()]
-        return lambda x: torch.cat([linear(x) for linear in parts], dim=-1)
+        return lambda x, out=None: torch.cat([linear(x) for linear in parts], dim=-1)
     kernel = kernel_for(weight.fmt)
     if kernel is None:
-        return lambda x: quant_linear(x, weight, bias)
+        return lambda x, out=None: quant_linear(x, weight, bias)
     blocks, code, n = weight.blocks, int(weight.fmt), weight.blocks.shape[0]
     max_rows = K_QUANT_KERNEL_MAX_ROWS if weight.fmt in _K_QUANTS else KERNEL_MAX_ROWS
     bias_dtype = None if bias is None else bias.dtype
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
+    def linear(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] > max_rows or x.dtype not in _KERNEL_DTYPES or (bias is not None and bias_dtype != x.dtype):
             return quant_linear(x, weight, bias)
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype)
         kernel.quant_linear(out, x, blocks, code, bias)
         return out
 
