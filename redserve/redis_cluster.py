@@ -249,13 +249,19 @@ class ClusterRedis:
             out.append(entry)
         return out
 
-    def _ok(self, node: EmbeddedRedis) -> bool:
+    def _ask(self, node: EmbeddedRedis, *command: str):
+        """`node`'s reply to `command` as the admin; None if it is down or does not answer."""
         if not node.running:
-            return False
+            return None
         try:
             with self._admin_client(node) as client:
-                text = client.execute_command("CLUSTER", "INFO")
+                return client.execute_command(*command)
         except redis.RedisError:
+            return None
+
+    def _ok(self, node: EmbeddedRedis) -> bool:
+        text = self._ask(node, "CLUSTER", "INFO")
+        if text is None:
             return False
         info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) >= len(self.nodes)
@@ -290,11 +296,7 @@ class ClusterRedis:
         CLUSTER NODES and ROLE before it shows to clients (`redserve status`, redis-py's slot map)."""
         if not self.replicas:
             return True
-        try:
-            with self._admin_client(node) as client:
-                ranges = client.execute_command("CLUSTER", "SLOTS")
-        except redis.RedisError:
-            return False
+        ranges = self._ask(node, "CLUSTER", "SLOTS")  # [start, end, primary, *replicas] each
         return bool(ranges) and all(len(nodes) - 3 >= self.replicas for nodes in ranges)
 
     def _admin_client(self, node: EmbeddedRedis) -> redis.Redis:
