@@ -241,6 +241,9 @@ def test_a_dead_primary_waits_for_the_failover_then_rejoins_as_a_replica() -> No
         assert cluster.roles()[replica] == ("primary", None)  # it waited for the failover
         cluster.wait_ok()
         assert cluster.roles()[name] == ("replica", replica)
+        for node in cluster.nodes.values():  # what clients read: every node's CLUSTER SLOTS lists the rejoined replica
+            with redis.Redis(*node.address, username="admin", password=cluster.passwords["admin"]) as admin:
+                assert all(len(entry) - 3 == 1 for entry in admin.execute_command("CLUSTER", "SLOTS")), node.address
         assert client.get("k{x}") == b"v"
         client.close()
         status = subprocess.run(cli("status", "--redis-url", cluster.url), capture_output=True, text=True, timeout=60)
