@@ -272,19 +272,26 @@ def replication_topology(client: redis.Redis) -> dict | None:
     return {"master_name": pool.service_name, "primary": f"{host}:{port}", "replicas": replicas}
 
 
-def node_url_for_key(url: str, key: str) -> str:
-    """For a cluster URL, the redis:// URL of the primary that owns `key`'s slot now (for a client that speaks to
-    one server, such as Celery's); `url` itself for any other URL."""
-    if not is_cluster_url(url):
-        return url
-    c = parse_cluster_url(url)
+def cluster_node_for_key(url: str, key: str) -> tuple[str, int]:
+    """(host, port) of the primary that owns `key`'s slot now, as the nodes of the cluster URL `url` say (the first
+    that answers); redis.RedisError when none does."""
     client = connect(url, retries=0)
     try:
         node = client.get_node_from_key(key)
     finally:
         client.close()
+    return node.host, node.port
+
+
+def node_url_for_key(url: str, key: str) -> str:
+    """For a cluster URL, the redis:// URL of the primary that owns `key`'s slot now (for a client that speaks to
+    one server); `url` itself for any other URL."""
+    if not is_cluster_url(url):
+        return url
+    c = parse_cluster_url(url)
+    host, port = cluster_node_for_key(url, key)
     auth = f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@" if c.password is not None else ""
-    return f"redis://{auth}{node.host}:{node.port}/0"
+    return f"redis://{auth}{host}:{port}/0"
 
 
 def cluster_topology(client: redis.Redis | RedisCluster) -> list[str] | None:

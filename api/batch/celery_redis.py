@@ -17,10 +17,11 @@ Rules:
     to merge into ``broker_transport_options`` and ``result_backend_transport_options``.
   - ``redis+cluster://...``: Celery has no Redis Cluster transport. Every Celery key starts with
     ``RedisKeys.celery()``, which carries the control hash tag (``{rs}:celery:``), so all of them live in one
-    slot: Celery gets the plain ``redis://`` URL of the primary owning that slot when the app is configured
-    (`celery_redis_settings(url, route_key=...)`). Limitation: a batch worker keeps that node; if the slot
-    moves (resharding, a replica promoted in an existing deployment), Celery's commands fail with MOVED and
-    the batch workers must be restarted. Without `route_key` a cluster URL is only checked ({} returned).
+    slot, `route_key`'s: the broker is `api.batch.celery_cluster.ClusterTransport` and the result backend
+    `ClusterResultBackend`, whose connections go to the primary owning that slot now, looked up again on every
+    connect (a failover or a resharding of the slot is followed, see that module).
+    `celery_transport_options(url, route_key)` gives the options they need (``cluster_url``,
+    ``cluster_route_key``). Without `route_key` a cluster URL is only checked ({} returned).
 """
 
 from __future__ import annotations
@@ -32,11 +33,18 @@ from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 from broker.connection import (
     is_cluster_url,
     is_sentinel_url,
-    node_url_for_key,
     parse_cluster_url,
     parse_sentinel_url,
 )
 
+_CLUSTER_MODULE = "api.batch.celery_cluster"
+# Celery settings for any URL: a lost connection (a Redis restart, a failover, a moved cluster slot) is retried for
+# about 20 s when a task is sent (Celery's default policy gives up after ~0.6 s) and by the result backend (which
+# by default does not retry at all).
+RETRY_SETTINGS: dict[str, Any] = {
+    "task_publish_retry_policy": {"max_retries": 40, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
+    "result_backend_always_retry": True, "result_backend_max_retries": 40,
+}
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 _SSL_PATHS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
@@ -45,10 +53,15 @@ def celery_redis_settings(url: str, route_key: str | None = None) -> dict[str, A
     """``broker_url``, ``result_backend``, ``broker_use_ssl`` and ``redis_backend_use_ssl`` for `url` (for a
     cluster URL: of the node owning `route_key`, see the module rules)."""
     if is_cluster_url(url):
-        parse_cluster_url(url)
+        c = parse_cluster_url(url)
         if route_key is None:
             return {}
-        url = node_url_for_key(url, route_key)
+        host, port = c.nodes[0]  # credentials only: the connections look the address up (api.batch.celery_cluster)
+        auth = "" if c.password is None else f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@"
+        node = f"redis://{auth}{host}:{port}/0"
+        return {"broker_url": node, "broker_transport": f"{_CLUSTER_MODULE}:ClusterTransport",
+                "result_backend": f"{_CLUSTER_MODULE}:ClusterResultBackend+{node}",
+                "broker_use_ssl": None, "redis_backend_use_ssl": None}
     if is_sentinel_url(url):
         s = parse_sentinel_url(url)
         auth = "" if s.password is None else f"{quote(s.username or '', safe='')}:{quote(s.password, safe='')}@"
@@ -73,8 +86,11 @@ def celery_redis_settings(url: str, route_key: str | None = None) -> dict[str, A
             "broker_use_ssl": tls, "redis_backend_use_ssl": tls}
 
 
-def celery_transport_options(url: str) -> dict[str, Any]:
-    """The transport options a sentinel URL needs (both broker and result backend); {} for any other URL."""
+def celery_transport_options(url: str, route_key: str | None = None) -> dict[str, Any]:
+    """The transport options a sentinel URL, or a cluster URL with the Celery keys' `route_key`, needs (both broker
+    and result backend); {} for any other URL."""
+    if is_cluster_url(url) and route_key is not None:
+        return {"cluster_url": url, "cluster_route_key": route_key}
     if not is_sentinel_url(url):
         return {}
     s = parse_sentinel_url(url)

@@ -2,7 +2,7 @@
 
 Rules:
 - Broker and result backend are the stack's Redis (its redis://, rediss:// or unix:// URL, translated for
-  Celery by `api.batch.celery_redis`; on a cluster, the node that owns the Celery keys' slot). Every Celery
+  Celery by `api.batch.celery_redis`; on a cluster, the primary that owns the Celery keys' slot now). Every Celery
   key lives under ``RedisKeys.celery()`` (``{rs}:celery:``, kombu's ``global_keyprefix``), the queue is `QUEUE`, so
   Celery shares a Redis database with the stack without touching its keys. Messages and results
   are JSON (never pickle): a task message is only ``(batch_id, chunk)``; the items stay in Redis.
@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from celery import Celery, signals
 
-from api.batch.celery_redis import celery_redis_settings, celery_transport_options
+from api.batch.celery_redis import RETRY_SETTINGS, celery_redis_settings, celery_transport_options
 from api.batch.chunk import run_chunk
 from api.batch.runner import ItemRunner
 from api.batch.store import BatchStore
@@ -131,14 +131,15 @@ def configure(settings: BatchSettings) -> Celery:
                        "delivered twice (harmless, but wasteful)", settings.visibility_timeout,
                        settings.request_timeout + settings.retry_for)
     prefix = settings.keys.celery()
-    sentinel = celery_transport_options(settings.redis_url)
+    topology = celery_transport_options(settings.redis_url, route_key=prefix)  # a sentinel or cluster URL
     app.conf.update(
-        **celery_redis_settings(settings.redis_url, route_key=prefix),
+        **{"broker_transport": None, **celery_redis_settings(settings.redis_url, route_key=prefix)},
         broker_transport_options={"global_keyprefix": prefix, "visibility_timeout": settings.visibility_timeout,
                                   "unacked_restore_interval": settings.restore_interval,
-                                  "unacked_restore_throttle": 1, **sentinel},
-        result_backend_transport_options={"global_keyprefix": prefix, **sentinel},
+                                  "unacked_restore_throttle": 1, **topology},
+        result_backend_transport_options={"global_keyprefix": prefix, **topology},
         broker_connection_retry_on_startup=True,
+        **RETRY_SETTINGS,
         task_serializer="json", result_serializer="json", accept_content=["json"],
         task_default_queue=QUEUE,
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
