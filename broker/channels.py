@@ -40,12 +40,41 @@ def publish(pipe: Any, channel: str, payload: bytes, sharded: bool) -> None:
         pipe.publish(channel, payload)
 
 
-def subscriber_counts(client: redis.Redis | RedisCluster, channels: Sequence[str]) -> list[int]:
-    """Subscribers of each channel, in order (on a cluster: asked of each channel's own node)."""
+class ChannelMoved(redis.RedisError):
+    """A sharded channel that had no subscriber on the node the client's slot map named lives on another node now
+    (a failover or a resharding moved its slot): its subscribers are moving too, so no count is final yet."""
+
+
+def subscriber_counts(client: redis.Redis | RedisCluster, channels: Sequence[str],
+                      nodes_seen: dict[str, str] | None = None) -> list[int]:
+    """Subscribers of each channel, in order (on a cluster: asked of each channel's own node).
+
+    On a cluster PUBSUB SHARDNUMSUB is never redirected: a node answers 0 for a channel whose slot it gave away,
+    and a client's slot map is only corrected by a redirected command. So where a channel reads 0, the slot map is
+    read again, and ChannelMoved is raised if that channel's node changed. `nodes_seen` (optional, kept up to date
+    by the call, for the channels asked only): channel -> the node of its last count; a channel counted on another
+    node than last time also raises ChannelMoved (its subscribers may still be on their way to the new node)."""
     if not channels:
         return []
     if not is_cluster(client):
         return [count for _, count in client.pubsub_numsub(*channels)]
+    counts = _shard_counts(client, channels)
+    empty = {channel: client.get_node_from_key(channel).name for channel, n in zip(channels, counts, strict=True)
+             if n == 0}
+    if empty:
+        client.nodes_manager.initialize()
+    moved = sorted(channel for channel, node in empty.items() if client.get_node_from_key(channel).name != node)
+    if nodes_seen is not None:
+        now = {channel: client.get_node_from_key(channel).name for channel in channels}
+        moved += sorted(channel for channel, node in now.items() if nodes_seen.get(channel, node) != node)
+        nodes_seen.clear()
+        nodes_seen.update(now)
+    if moved:
+        raise ChannelMoved(f"{len(set(moved))} channel(s) now on another node, e.g. {moved[0]}")
+    return counts
+
+
+def _shard_counts(client: RedisCluster, channels: Sequence[str]) -> list[int]:
     by_node: dict[str, list[str]] = defaultdict(list)
     nodes = {}
     for channel in channels:
@@ -71,11 +100,14 @@ class Subscriber:
         else:
             conn = self._client
         self._pubsub = conn.pubsub()
+        self._leaving: set[str] = set()  # channels this subscriber unsubscribed from, until the server confirms
 
     def subscribe(self, channel: str) -> None:
+        self._leaving.discard(channel)
         (self._pubsub.ssubscribe if self.sharded else self._pubsub.subscribe)(channel)
 
     def unsubscribe(self, channel: str) -> None:
+        self._leaving.add(channel)
         (self._pubsub.sunsubscribe if self.sharded else self._pubsub.unsubscribe)(channel)
 
     def get_message(self, timeout: float) -> dict | None:
@@ -83,8 +115,11 @@ class Subscriber:
         if msg is None:
             return None
         kind = _TYPES.get(msg["type"], msg["type"])
-        if kind == "unsubscribe" and self.sharded and not self._pubsub.shard_channels:
-            raise RedisConnectionError(f"shard channel {_text(msg['channel'])} left this node (slot moved?)")
+        if kind == "unsubscribe" and self.sharded:
+            channel = _text(msg["channel"])
+            if channel not in self._leaving:  # the server dropped it: its slot moved to another node
+                raise RedisConnectionError(f"shard channel {channel} left this node (its slot moved)")
+            self._leaving.discard(channel)
         return {**msg, "type": kind}
 
     def close(self) -> None:

@@ -12,12 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from stack_procs import Procs, cli, free_port, wait_for
 
 from api.batch.store import BatchStore
-from broker.channels import subscriber_counts
+from broker.channels import ChannelMoved, Subscriber, subscriber_counts
 from broker.connection import cluster_url, connect, node_url_for_key, parse_cluster_url
 from broker.keys import RedisKeys
 from broker.load_balance import read_lb_snapshot
@@ -197,4 +199,50 @@ def test_status_and_redis_cli_on_a_cluster() -> None:
                              capture_output=True, text=True, timeout=60)
         assert got.stdout.strip() == "starting", got.stdout + got.stderr
     finally:
+        cluster.stop()
+
+
+def test_a_migrated_slot_drops_its_subscribers_and_its_stale_counts() -> None:
+    """Without a stack: a slot moved by Valkey's atomic migration (CLUSTER MIGRATESLOTS) drops a `Subscriber`'s
+    sharded channel with a SUNSUBSCRIBE it did not ask for, which it raises as a lost connection (its own
+    unsubscribe is no error); counting subscribers with the old slot map raises ChannelMoved instead of reading 0
+    off the node that gave the slot away, and so does a count read from another node than the last one."""
+    cluster = ClusterRedis(3).start()
+    app, fresh, sub = connect(cluster.url), None, None
+    try:
+        channel, other = KEYS.engine_presence("0", "abc"), KEYS.engine_presence("0", "def")
+        sub = Subscriber(cluster.url, channel, "test")
+        for name in (channel, other):
+            sub.subscribe(name)
+            assert wait_for(lambda: sub.get_message(0.2), 5, "the subscription")["type"] == "subscribe"
+        sub.unsubscribe(other)
+        assert wait_for(lambda: sub.get_message(0.2), 5, "the unsubscription")["type"] == "unsubscribe"
+        seen: dict[str, str] = {}
+        assert subscriber_counts(app, [channel], seen) == [1]
+        source = app.get_node_from_key(channel)
+        target = next(n for n in cluster.nodes.values() if n.port != source.port)
+        admin = {port: redis.Redis(*node.address, username="admin", password=cluster.passwords["admin"])
+                 for port, node in ((n.port, n) for n in cluster.nodes.values())}
+        target_id = admin[target.port].execute_command("CLUSTER", "MYID")
+        admin[source.port].execute_command("CLUSTER", "MIGRATESLOTS", "SLOTSRANGE", app.keyslot(channel),
+                                           app.keyslot(channel), "NODE", target_id)
+        with pytest.raises(RedisConnectionError, match="slot moved"):
+            wait_for(lambda: sub.get_message(0.2), 10, "the subscription to drop")
+        with pytest.raises(ChannelMoved):  # app's map still names the source, where the count is 0 now
+            subscriber_counts(app, [channel])
+        sub.close()
+        sub = Subscriber(cluster.url, channel, "test")  # subscribing again finds the new node
+        sub.subscribe(channel)
+        assert wait_for(lambda: sub.get_message(0.2), 5, "the new subscription")["type"] == "subscribe"
+        fresh = connect(cluster.url)
+        assert fresh.get_node_from_key(channel).port == target.port
+        with pytest.raises(ChannelMoved):  # counted on the target now; the last count was the source's
+            subscriber_counts(fresh, [channel], seen)
+        assert subscriber_counts(fresh, [channel], seen) == [1]
+        for client in admin.values():
+            client.close()
+    finally:
+        for client in (app, fresh, sub):
+            if client is not None:
+                client.close()
         cluster.stop()

@@ -214,6 +214,54 @@ def test_primary_killed_mid_stream_fails_over_to_its_replica(stack: FailoverStac
     assert stack.proc.poll() is None
 
 
+def _migrate(stack: FailoverStack, slot: int, source: str, target: str) -> None:
+    """Valkey's atomic slot migration of `slot` from primary `source` to primary `target` (CLUSTER MIGRATESLOTS),
+    returning once the target owns it."""
+    with stack.admin(target) as client:
+        target_id = client.execute_command("CLUSTER", "MYID")
+    with stack.admin(source) as client:
+        client.execute_command("CLUSTER", "MIGRATESLOTS", "SLOTSRANGE", slot, slot, "NODE", target_id)
+    wait_for(lambda: _owner(stack, target, slot) == target == _owner(stack, source, slot), 30, f"slot {slot} moved")
+
+
+def test_engine_and_control_slots_migrated_mid_stream(stack: FailoverStack) -> None:
+    """Resharding under load: engine 0's slot (its request stream, registration, heartbeat, presence channel) and
+    then the control slot move to another primary (Valkey's atomic CLUSTER MIGRATESLOTS) while streams run; they
+    complete with their exact tokens, no engine is declared gone, and nothing restarts."""
+    wait_for(stack.settled, 60, "every node back")
+    tokens = 1800  # long enough to outlast both moves (the tiny model runs ~5 ms a step here)
+    expected = stack.complete(tokens).json()["choices"][0]["text"]
+    engine = stack.engine_pid()
+    running = [GreedyStream(stack.base_url, PROMPT, tokens) for _ in range(STREAMS)]
+    assert all(s.started.wait(60) for s in running), "streams did not start"
+    moves = []
+    for key in (KEYS.engine("0"), KEYS.wave()):
+        r = stack.redis()
+        try:
+            slot = r.cluster_keyslot(key)
+            node = r.get_node_from_key(key)
+            source = f"{node.host}:{node.port}"
+            target = next(f"{p.host}:{p.port}" for p in r.get_primaries() if f"{p.host}:{p.port}" != source)
+        finally:
+            r.close()
+        _migrate(stack, slot, source, target)
+        moves.append((key, slot, source, target))
+        time.sleep(0.5)
+    assert not any(s.usage for s in running), "a stream ended before the slots had moved: make them longer"
+    done = [s.join() for s in running]
+    assert [s.outcome for s in done] == [(None, expected, tokens)] * STREAMS
+    longest = max(s.longest_gap for s in done)
+    print(f"slot moves {moves}: longest stream pause {longest:.2f} s")
+    assert longest < 5.0, [s.longest_gap for s in done]
+    assert _engine_primary(stack)[0] == moves[0][3]
+    assert stack.engine_pid() == engine  # the engine carried on, never restarted
+    after = stack.complete(MAX_TOKENS)
+    assert after.status_code == 200, (after.status_code, after.text)
+    assert after.json()["choices"][0]["text"] == expected[:len(after.json()["choices"][0]["text"])]
+    assert "is gone" not in (stack.procs.logs / "serve.log").read_text()
+    assert stack.proc.poll() is None
+
+
 def test_a_dead_primary_waits_for_the_failover_then_rejoins_as_a_replica() -> None:
     """Without a stack: the supervisor's watch starts a killed primary again only once its replica took over."""
     with pytest.raises(ValueError, match=">= 3"):

@@ -77,6 +77,7 @@ class Maintenance:
         self._migrator = Migrator(table, selector, sender, settings.max_migrations, on_migration)
         self._absent: set[tuple[str, str]] = set()  # (engine, incarnation) with no presence at the last read
         self._presence_failed_at = float("-inf")  # monotonic time a presence read last failed
+        self._presence_nodes: dict[str, str] = {}  # cluster: presence channel -> the node it was last counted on
         self._aborts_waiting_since: dict[str, float] = {}  # engine -> when its deferred ABORTs first found it not live
 
     def run(self, stopping: threading.Event) -> None:
@@ -123,7 +124,9 @@ class Maintenance:
         row; forget that verdict if the channel fills again (the engine only lost its connection: Redis restarted).
         Not within `PRESENCE_GRACE` s of this client's own subscription coming back, nor of a presence read that
         failed: on a cluster one node can restart while this client's subscription, on another node, stays up, and
-        the engines' presence subscriptions on that node come back on their own backoff."""
+        the engines' presence subscriptions on that node come back on their own backoff. Nor after a read that
+        found a channel on another node than before (`ChannelMoved`: a failover or a resharding moved its slot, and
+        the engine's subscription follows on its own)."""
         if (self._table.since_resubscribed() < PRESENCE_GRACE
                 or time.monotonic() - self._presence_failed_at < PRESENCE_GRACE):
             self._absent.clear()
@@ -136,7 +139,8 @@ class Maintenance:
             self._absent.clear()
             return
         try:
-            counts = subscriber_counts(self._connection(), [self._keys.engine_presence(e, inc) for e, inc in watched])
+            counts = subscriber_counts(self._connection(), [self._keys.engine_presence(e, inc) for e, inc in watched],
+                                       self._presence_nodes)
         except redis.RedisError as e:
             logger.debug("client %s: presence check skipped: %s", self._client_id, e)
             self._presence_failed_at = time.monotonic()
