@@ -196,11 +196,16 @@ def test_primary_killed_mid_stream_fails_over_to_its_replica(stack: FailoverStac
     assert r.get("test:{0}:marker") == b"kept"
     # a request sent after the failover: answered, after at most a few 503s with Retry-After while the API
     # catches up with the engine's registration on the promoted node (as the openai client retries them)
+    unavailable = []
+
     def answered():
         resp = stack.complete(MAX_TOKENS)
         assert resp.status_code in (200, 503), resp.text
+        if resp.status_code == 503:
+            unavailable.append(resp.json()["error"]["message"])
         return resp if resp.status_code == 200 else None
     after = wait_for(answered, 30, "a request answered after the failover", interval=1.0)
+    print(f"503s before the first answer after the failover: {unavailable}")
     assert after.json()["choices"][0]["text"] == expected
     # the supervisor started the dead node again; it rejoins as a replica of the promoted one, slots stay put
     wait_for(lambda: stack.node(old)["pid"] != victim["pid"] and stack.node(old).get("replica_of") == replica["name"]
