@@ -27,7 +27,9 @@ Rules:
   Cluster (any node will do: the client reads the slot map from the first that answers); `connect` returns
   redis-py's `RedisCluster`, which sends each command to the primary owning its key's slot and follows MOVED /
   ASK redirections. There is one database (0). Every key redserve forms is hash-tagged (`broker.keys`), so its
-  transactions and scripts touch one slot; channels are sharded (`broker.channels`). No TLS in this form.
+  transactions and scripts touch one slot; channels are sharded (`broker.channels`). TLS:
+  ``rediss+cluster://...[?ssl_ca_certs=PATH&ssl_cert_reqs=required...]``, the options of ``rediss://``, for
+  every node (the addresses the cluster announces are reached over TLS).
   List replicas too: a startup node that died is skipped. By default a command is retried (slot map refreshed
   between tries) for about `FAILOVER_WINDOW` seconds (`CLUSTER_FAILOVER_RETRIES` tries), as behind sentinels:
   the cluster fails a dead primary over to its replica in ~3 s (``cluster-node-timeout`` 2 s + the election),
@@ -41,7 +43,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, quote, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 _RETRYABLE = (redis.ConnectionError, redis.TimeoutError, socket.timeout)
 SENTINEL_SCHEME = "redis+sentinel"
 CLUSTER_SCHEME = "redis+cluster"
+CLUSTER_TLS_SCHEME = "rediss+cluster"
 DEFAULT_RETRIES = 5
 FAILOVER_WINDOW = 20.0
 """Seconds a sentinel-mode client keeps retrying a command: a failover of the embedded setup takes ~2-3 s
@@ -126,32 +129,64 @@ def _host_port(text: str, kind: str = "sentinel") -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class ClusterUrl:
-    """A parsed ``redis+cluster://`` URL (see the module rules)."""
+    """A parsed ``redis+cluster://`` or ``rediss+cluster://`` URL (see the module rules)."""
 
     nodes: tuple[tuple[str, int], ...]
     username: str | None = None
     password: str | None = None
+    tls: tuple[tuple[str, str], ...] | None = None  # rediss+cluster: its ssl_* options as the URL spells them
+
+    def node_url(self, host: str, port: int) -> str:
+        """The single-server URL of one node (``redis://`` or, with TLS, ``rediss://`` with the same options)."""
+        auth = f"{quote(self.username or '', safe='')}:{quote(self.password, safe='')}@" if self.password is not None else ""
+        if self.tls is None:
+            return f"redis://{auth}{host}:{port}/0"
+        return f"rediss://{auth}{host}:{port}/0" + (f"?{urlencode(self.tls)}" if self.tls else "")
+
+    def client_kwargs(self) -> dict:
+        """redis-py's TLS arguments of this URL ({} without TLS)."""
+        if self.tls is None:
+            return {}
+        options: dict = {"ssl": True, **dict(self.tls)}
+        if "ssl_check_hostname" in options:
+            options["ssl_check_hostname"] = options["ssl_check_hostname"].lower() not in ("false", "0", "no")
+        return options
+
+
+_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 
 
 def is_cluster_url(url: str) -> bool:
-    return url.startswith(f"{CLUSTER_SCHEME}://")
+    return url.startswith((f"{CLUSTER_SCHEME}://", f"{CLUSTER_TLS_SCHEME}://"))
 
 
 def parse_cluster_url(url: str) -> ClusterUrl:
-    """The parts of a ``redis+cluster://`` URL; ValueError saying what is wrong with a bad one."""
-    parts, username, password, nodes = _split_multi_host_url(url, CLUSTER_SCHEME, "cluster node")
-    if not nodes or parts.path.strip("/") not in ("", "0") or parts.query:
+    """The parts of a ``redis+cluster://`` (``rediss+cluster://``: TLS) URL; ValueError saying what is wrong."""
+    tls = url.startswith(f"{CLUSTER_TLS_SCHEME}://")
+    scheme = CLUSTER_TLS_SCHEME if tls else CLUSTER_SCHEME
+    parts, username, password, nodes = _split_multi_host_url(url, scheme, "cluster node")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    unknown = sorted({key for key, _ in query} - set(_TLS_OPTIONS if tls else ()))
+    if not nodes or parts.path.strip("/") not in ("", "0") or unknown:
         raise ValueError(f"a cluster URL is {CLUSTER_SCHEME}://[USER:PASS@]HOST:PORT[,HOST:PORT...]/ (one database, "
-                         f"no options), got {mask_url(url)}")
-    return ClusterUrl(nodes, unquote(username) or None, unquote(password) or None)
+                         f"no options) or {CLUSTER_TLS_SCHEME}://...[?ssl_ca_certs=PATH&ssl_cert_reqs=required...] "
+                         f"(TLS; options {', '.join(_TLS_OPTIONS)}), got {mask_url(url)}")
+    cert_reqs = dict(query).get("ssl_cert_reqs", "required")
+    if tls and cert_reqs not in ("none", "optional", "required"):
+        raise ValueError(f"ssl_cert_reqs={cert_reqs!r} in {mask_url(url)}: use none, optional or required")
+    return ClusterUrl(nodes, unquote(username) or None, unquote(password) or None, tuple(query) if tls else None)
 
 
-def cluster_url(nodes: list[tuple[str, int]], username: str | None = None, password: str | None = None) -> str:
-    """The ``redis+cluster://`` URL of these nodes (the inverse of `parse_cluster_url`)."""
+def cluster_url(nodes: list[tuple[str, int]], username: str | None = None, password: str | None = None,
+                tls: dict[str, str] | None = None) -> str:
+    """The ``redis+cluster://`` URL of these nodes, ``rediss+cluster://`` with `tls` (the ssl_* options; {} for
+    none): the inverse of `parse_cluster_url`."""
     auth = ""
     if password is not None:
         auth = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
-    return f"{CLUSTER_SCHEME}://{auth}{','.join(f'{h}:{p}' for h, p in nodes)}/"
+    scheme = CLUSTER_SCHEME if tls is None else CLUSTER_TLS_SCHEME
+    query = f"?{urlencode(tls)}" if tls else ""
+    return f"{scheme}://{auth}{','.join(f'{h}:{p}' for h, p in nodes)}/{query}"
 
 
 def sentinel_url(sentinels: list[tuple[str, int]], master: str, username: str | None = None,
@@ -237,7 +272,7 @@ def _cluster_client(c: ClusterUrl, kwargs: dict) -> RedisCluster:
     there (refreshing its slot map between tries, so a moved slot or a replaced node is found); the connections
     to the nodes do not retry on their own."""
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in c.nodes], username=c.username,
-                        password=c.password, require_full_coverage=True, **kwargs)
+                        password=c.password, require_full_coverage=True, **c.client_kwargs(), **kwargs)
 
 
 def _sentinel_client(s: SentinelUrl, connect_timeout: float, kwargs: dict) -> redis.Redis:
@@ -288,10 +323,7 @@ def node_url_for_key(url: str, key: str) -> str:
     one server); `url` itself for any other URL."""
     if not is_cluster_url(url):
         return url
-    c = parse_cluster_url(url)
-    host, port = cluster_node_for_key(url, key)
-    auth = f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@" if c.password is not None else ""
-    return f"redis://{auth}{host}:{port}/0"
+    return parse_cluster_url(url).node_url(*cluster_node_for_key(url, key))
 
 
 def cluster_topology(client: redis.Redis | RedisCluster) -> list[str] | None:
@@ -319,8 +351,7 @@ def primary_url(url: str) -> str:
     For a cluster URL, the redis:// URL of its first node (redis-cli then needs ``-c`` to follow redirects)."""
     if is_cluster_url(url):
         c = parse_cluster_url(url)
-        auth = f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@" if c.password is not None else ""
-        return f"redis://{auth}{c.nodes[0][0]}:{c.nodes[0][1]}/0"
+        return c.node_url(*c.nodes[0])
     if not is_sentinel_url(url):
         return url
     s = parse_sentinel_url(url)

@@ -1,8 +1,11 @@
-"""External Redis over TLS (rediss://) and a unix socket, for every kind of redserve process.
+"""External Redis over TLS (rediss://, and a cluster's rediss+cluster://) and a unix socket, for every kind of
+redserve process.
 
 The embedded server has no TLS, so a TLS-terminating proxy (asyncio, in a thread) listens on 127.0.0.1 with
 a server certificate from a CA made by `openssl` in the test, and forwards the bytes to the session's
 embedded Redis. The URLs carry the CA as redis-py spells it: ``?ssl_ca_certs=PATH&ssl_cert_reqs=required``.
+The cluster has a proxy in front of each node, and each node announces its proxy's port (CLUSTER SLOTS), as a
+managed cluster with in-transit encryption does: a client following the slot map only ever speaks TLS.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from broker_fakes import FakeEngine, add, collect
 from celery import Celery
 from stack_procs import Procs, cli, wait_for
 
-from api.batch.celery_redis import celery_redis_settings
+from api.batch.celery_redis import celery_redis_settings, celery_transport_options
 from broker.client import BrokerClient
-from broker.connection import connect, mask_url, wait_for_redis
+from broker.connection import cluster_url, connect, mask_url, parse_cluster_url, wait_for_redis
 from broker.engine_link import EngineRegistry
 from broker.errors import BrokerUnavailable
 from broker.keys import RedisKeys
+from redserve.redis_cluster import ClusterRedis
 from redserve.redis_server import EmbeddedRedis
 
 
@@ -184,17 +188,81 @@ def test_celery_translation_of_tls_and_unix_urls():
 def _probe(url: str, keys: RedisKeys) -> Celery:
     """A Celery app that talks to the batch workers of `keys` through `url` (remote control only)."""
     app = Celery(f"probe-{uuid.uuid4().hex[:6]}", set_as_current=False)
-    prefix = {"global_keyprefix": keys.celery()}
-    app.conf.update(**celery_redis_settings(url), broker_transport_options=prefix,
-                    result_backend_transport_options=prefix)
+    options = {"global_keyprefix": keys.celery(), **celery_transport_options(url, route_key=keys.celery())}
+    app.conf.update(**celery_redis_settings(url, route_key=keys.celery()), broker_transport_options=options,
+                    result_backend_transport_options=options)
     return app
 
 
-@pytest.mark.parametrize("transport", ["rediss", "unix"])
-def test_batch_worker_answers_a_ping(transport, tls, redis_server, redis_db, redis_keys, tiny_llama_dir, tmp_path):
-    """A real `redserve batch worker` (URL from the environment, as in compose) on TLS or a unix socket."""
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory):
+    """The rediss+cluster:// URL of a 3-primary embedded cluster reachable only over TLS (see the module doc)."""
+    directory = tmp_path_factory.mktemp("tls-cluster")
+    ca = make_ca(directory, "ca")
+    cert = make_server_cert(directory, "ca")
+    cluster, proxies = ClusterRedis(3).start(), []
+    try:
+        for node in cluster.nodes.values():
+            proxies.append(TlsProxy(node.port, *cert).start())
+            with redis.Redis(*node.address, username="admin", password=cluster.passwords["admin"]) as admin:
+                admin.config_set("cluster-announce-bus-port", node.cluster_port)
+                admin.config_set("cluster-announce-port", proxies[-1].port)
+        announced = {p.port for p in proxies}
+
+        def slots_announce_proxies() -> bool:
+            for node in cluster.nodes.values():
+                with redis.Redis(*node.address, username="admin", password=cluster.passwords["admin"]) as admin:
+                    if {e[2][1] for e in admin.execute_command("CLUSTER", "SLOTS")} - announced:
+                        return False
+            return True
+
+        wait_for(slots_announce_proxies, 20, "every node to announce its proxy's port")
+        yield cluster_url([("127.0.0.1", p.port) for p in proxies], "redserve", cluster.passwords["redserve"],
+                          tls={"ssl_ca_certs": str(ca), "ssl_cert_reqs": "required"})
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+        cluster.stop()
+
+
+def test_cluster_over_tls(tls_cluster, redis_keys):
+    c = parse_cluster_url(tls_cluster)
+    assert tls_cluster.startswith("rediss+cluster://") and c.tls and c.node_url("h", 1).startswith("rediss://")
+    with pytest.raises(ValueError, match="options"):
+        parse_cluster_url(tls_cluster.replace("rediss+", "redis+"))  # ssl_* options need the TLS scheme
+    r = connect(tls_cluster)
+    engine = FakeEngine(tls_cluster, redis_keys, "e0").start()
+    client = BrokerClient(tls_cluster, redis_keys, heartbeat_ttl=2.0, engine_refresh=0.05, subscribe_timeout=5.0)
+    try:
+        assert {n.port for n in r.get_primaries()} <= {p for _, p in c.nodes}  # only the proxies' ports
+        assert all(n.redis_connection.connection_pool.connection_class.__name__ == "SSLConnection"
+                   for n in r.get_primaries())
+        assert client.wait_subscribed(10)
+        outs = collect(client.submit(add(first_token=4, max_tokens=3)), timeout=10)
+        assert [t for o in outs for t in o.new_token_ids] == [4001, 4002, 4003]  # streams + sharded pub/sub
+        out = subprocess.run([*cli("status", "--redis-url", tls_cluster, "--key-prefix", redis_keys.prefix)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "cluster of 3 primaries" in out.stdout, out.stdout + out.stderr
+        assert _password(tls_cluster.replace("rediss+cluster", "rediss").split(",")[0]) not in out.stdout
+    finally:
+        client.stop()
+        engine.stop()
+        r.close()
+
+
+@pytest.mark.parametrize("transport", ["rediss", "unix", "rediss+cluster"])
+def test_batch_worker_answers_a_ping(transport, request, redis_server, redis_db, redis_keys, tiny_llama_dir,
+                                     tmp_path):
+    """A real `redserve batch worker` (URL from the environment, as in compose) on TLS, a unix socket, or a
+    cluster over TLS."""
     unix_server = EmbeddedRedis(unix_socket=True).start() if transport == "unix" else None
-    url = unix_server.url if unix_server else rediss_url(redis_server, tls[0], redis_db, tls[1])
+    if transport == "rediss+cluster":
+        url = request.getfixturevalue("tls_cluster")
+    elif unix_server:
+        url = unix_server.url
+    else:
+        tls = request.getfixturevalue("tls")
+        url = rediss_url(redis_server, tls[0], redis_db, tls[1])
     procs = Procs(tmp_path, env={"REDSERVE_REDIS_URL": url, "REDSERVE_KEY_PREFIX": redis_keys.prefix,
                                  "REDSERVE_STATE_DIR": str(tmp_path)})
     app = _probe(url, redis_keys)

@@ -41,8 +41,8 @@ _UNBLOCKED = "UNBLOCKED"
 _moved_to: dict[tuple[str, str], tuple[str, int]] = {}
 
 
-class SlotOwnerConnection(redis.Connection):
-    """A connection to whichever primary owns `route_key`'s slot (see the module rules)."""
+class _SlotOwner:
+    """The slot-following part of `SlotOwnerConnection` and `SlotOwnerSSLConnection` (see the module rules)."""
 
     def __init__(self, *, cluster_url: str, route_key: str, **kwargs: Any) -> None:
         self.cluster_url = cluster_url
@@ -80,6 +80,14 @@ class SlotOwnerConnection(redis.Connection):
         raise redis.ConnectionError(f"{self.host}:{self.port} no longer serves the Celery slot: {reply}") from reply
 
 
+class SlotOwnerConnection(_SlotOwner, redis.Connection):
+    """A connection to whichever primary owns `route_key`'s slot (see the module rules)."""
+
+
+class SlotOwnerSSLConnection(_SlotOwner, redis.SSLConnection):
+    """`SlotOwnerConnection` over TLS (a ``rediss+cluster://`` URL)."""
+
+
 def _cluster_options(options: dict[str, Any] | None) -> dict[str, str]:
     options = options or {}
     missing = [name for name in ("cluster_url", "cluster_route_key") if not options.get(name)]
@@ -93,6 +101,7 @@ class ClusterChannel(Channel):
 
     from_transport_options = Channel.from_transport_options + ("cluster_url", "cluster_route_key")
     connection_class = SlotOwnerConnection
+    connection_class_ssl = SlotOwnerSSLConnection
     cluster_url: str | None = None
     cluster_route_key: str | None = None
 
@@ -115,4 +124,5 @@ class ClusterResultBackend(RedisBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         options = _cluster_options(self.app.conf.get("result_backend_transport_options"))
-        self.connparams.update(connection_class=SlotOwnerConnection, **options)
+        tls = issubclass(self.connparams.get("connection_class", redis.Connection), redis.SSLConnection)
+        self.connparams.update(connection_class=SlotOwnerSSLConnection if tls else SlotOwnerConnection, **options)

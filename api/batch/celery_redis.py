@@ -15,7 +15,8 @@ Rules:
     backend: ``sentinel://[USER:PASS@]H1:P1/DB;sentinel://[USER:PASS@]H2:P2/DB``, and
     `celery_transport_options` gives the ``master_name`` and the sentinels' credentials (``sentinel_kwargs``),
     to merge into ``broker_transport_options`` and ``result_backend_transport_options``.
-  - ``redis+cluster://...``: Celery has no Redis Cluster transport. Every Celery key starts with
+  - ``redis+cluster://...`` (``rediss+cluster://...``: with TLS, translated as ``rediss://``): Celery has no Redis
+    Cluster transport. Every Celery key starts with
     ``RedisKeys.celery()``, which carries the control hash tag (``{rs}:celery:``), so all of them live in one
     slot, `route_key`'s: the broker is `api.batch.celery_cluster.ClusterTransport` and the result backend
     `ClusterResultBackend`, whose connections go to the primary owning that slot now, looked up again on every
@@ -56,12 +57,10 @@ def celery_redis_settings(url: str, route_key: str | None = None) -> dict[str, A
         c = parse_cluster_url(url)
         if route_key is None:
             return {}
-        host, port = c.nodes[0]  # credentials only: the connections look the address up (api.batch.celery_cluster)
-        auth = "" if c.password is None else f"{quote(c.username or '', safe='')}:{quote(c.password, safe='')}@"
-        node = f"redis://{auth}{host}:{port}/0"
-        return {"broker_url": node, "broker_transport": f"{_CLUSTER_MODULE}:ClusterTransport",
-                "result_backend": f"{_CLUSTER_MODULE}:ClusterResultBackend+{node}",
-                "broker_use_ssl": None, "redis_backend_use_ssl": None}
+        # the first node's URL for the credentials and TLS options only: the connections look the address up
+        node = celery_redis_settings(c.node_url(*c.nodes[0]))
+        return {**node, "broker_transport": f"{_CLUSTER_MODULE}:ClusterTransport",
+                "result_backend": f"{_CLUSTER_MODULE}:ClusterResultBackend+{node['result_backend']}"}
     if is_sentinel_url(url):
         s = parse_sentinel_url(url)
         auth = "" if s.password is None else f"{quote(s.username or '', safe='')}:{quote(s.password, safe='')}@"
