@@ -103,7 +103,8 @@ class ServeStack:
     """One `redserve serve` in a temp dir, with helpers to find and break its parts."""
 
     def __init__(self, model: str, workdir: Path, api_workers: int, redis_replicas: int = 0,
-                 redis_cluster: int = 0) -> None:
+                 redis_cluster: int = 0, engines: int = 1) -> None:
+        self.engines = engines
         self.state_dir = workdir / "state"
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -112,7 +113,8 @@ class ServeStack:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             cli("serve", "--model", model, "--dtype", "float32", "--port", str(self.port), "--api-workers",
-                str(api_workers), "--redis-replicas", str(redis_replicas), "--redis-cluster", str(redis_cluster)), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                str(api_workers), "--redis-replicas", str(redis_replicas), "--redis-cluster", str(redis_cluster),
+                "--data-parallel-size", str(engines)), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
             start_new_session=True, preexec_fn=pdeathsig_preexec())
 
     def state(self) -> dict:
@@ -168,7 +170,7 @@ class Stream:
         self.conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
         body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        self.max_tokens, self.tokens, self.longest_gap = max_tokens, None, 0.0
+        self.max_tokens, self.tokens, self.longest_gap, self.finish = max_tokens, None, 0.0, None
         self.conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
         self.client_port = self.conn.sock.getsockname()[1]
         self.response = self.conn.getresponse()
@@ -188,9 +190,12 @@ class Stream:
                 now = time.monotonic()
                 self.longest_gap, last = max(self.longest_gap, now - last), now
                 errors += line.startswith(b'data: {"error"')
-                if line.startswith(b"data: {") and b'"usage"' in line:
-                    usage = json.loads(line[6:]).get("usage") or {}
+                if line.startswith(b"data: {") and (b'"usage"' in line or b'"finish_reason":"' in line):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or {}
                     self.tokens = usage.get("completion_tokens", self.tokens)
+                    self.finish = next((c["finish_reason"] for c in chunk.get("choices", []) if c.get("finish_reason")),
+                                       self.finish)
                 if line.strip() == b"data: [DONE]":
                     self.outcome = "error event" if errors else "completed"
                     return
@@ -199,11 +204,15 @@ class Stream:
             self.outcome = "cut"
 
 
-def queue_unstarted(stack: ServeStack, engine: int, n: int = 3) -> tuple[list[threading.Thread], list]:
-    """Freeze the engine, send `n` completions that sit un-started in its stream; (threads, results)."""
+def queue_unstarted(stack: ServeStack, engine: int | list[int], n: int = 3) -> tuple[list[threading.Thread], list]:
+    """Freeze the engine (every engine of a list), send `n` completions that sit un-started in the request streams;
+    (threads, results)."""
+    engines = engine if isinstance(engine, list) else [engine]
+    streams = [KEYS.request_stream(str(i)) for i in range(len(engines))]
     r = stack.redis()
-    before = r.xlen(KEYS.request_stream("0"))
-    os.kill(engine, signal.SIGSTOP)
+    before = sum(r.xlen(s) for s in streams)
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
     results: list = []
 
     def send() -> None:
@@ -216,7 +225,7 @@ def queue_unstarted(stack: ServeStack, engine: int, n: int = 3) -> tuple[list[th
     for t in threads:
         t.start()
     with contextlib.suppress(TimeoutError):
-        wait_for(lambda: r.xlen(KEYS.request_stream("0")) >= before + n, 20, "requests queued")
+        wait_for(lambda: sum(r.xlen(s) for s in streams) >= before + n, 20, "requests queued")
     r.close()
     return threads, results
 
@@ -339,7 +348,8 @@ def redis_kill(stack: ServeStack) -> Row:
 
 def _stream_summary(streams: list[Stream]) -> str:
     exact = sum(s.exact for s in streams)
-    outcomes = Counter(s.outcome for s in streams if not s.exact)
+    outcomes = Counter(s.outcome if s.outcome != "completed" else f"completed ({s.tokens} tokens, {s.finish})"
+                       for s in streams if not s.exact)
     other = "".join(f", {v}x {k}" for k, v in sorted(outcomes.items()))
     return f"{exact}/{len(streams)} streams exact{other}; longest pause {max(s.longest_gap for s in streams):.2f} s"
 
@@ -482,7 +492,7 @@ def _cluster_node_holds(stack: ServeStack, address: str) -> str:
         def owner(key: str) -> str:
             node = client.get_node_from_key(key)
             return f"{node.host}:{node.port}"
-        held = [f"engine {e} keys" for e in ("0",) if owner(KEYS.engine(e)) == address]
+        held = [f"engine {e} keys" for e in map(str, range(stack.engines)) if owner(KEYS.engine(e)) == address]
         if owner(KEYS.lb()) == address:
             held.append("control keys + Celery")
         clients = [c.decode() for c in client.smembers(KEYS.clients())]
@@ -516,14 +526,15 @@ def redis_cluster_node_kill(stack: ServeStack, index: int, streams: int) -> Row:
     node = _shard_primary(stack, index)
     replicas = [n for n in stack.state()["redis_nodes"] if n.get("replica_of") == node["name"]]
     holds = _cluster_node_holds(stack, node["address"])
-    engine = stack.child("engine-0")
+    engines = [stack.child(f"engine-{i}") for i in range(stack.engines)]
     running = [Stream(stack, 300) for _ in range(streams)]
-    threads, results = queue_unstarted(stack, engine)
+    threads, results = queue_unstarted(stack, engines)
     try:
         os.kill(node["pid"], signal.SIGKILL)
         killed = time.monotonic()
     finally:
-        os.kill(engine, signal.SIGCONT)
+        for engine in engines:
+            os.kill(engine, signal.SIGCONT)
     promoted = ""
     if replicas:
         with contextlib.suppress(TimeoutError):
@@ -535,11 +546,54 @@ def redis_cluster_node_kill(stack: ServeStack, index: int, streams: int) -> Row:
     queued, lost = joined(threads, results)
     if replicas:
         return (f"Redis Cluster primary {node['name']} kill -9, {len(replicas)} replica(s) ({holds})",
-                f"{streams} streams mid-way, 3 queued (engine SIGSTOPped), SIGKILL the node; the cluster fails over",
+                f"{streams} streams mid-way, 3 queued ({_frozen(stack)}), SIGKILL the node; the cluster fails over",
                 f"{promoted}{_stream_summary(running)}; queued: {queued}", f"{recovered:.1f}", f"{lost} of 3")
     return (f"Redis Cluster primary {node['name']} kill -9 ({holds})",
-            f"{streams} streams mid-way, 3 queued (engine SIGSTOPped), SIGKILL the node; restarted with its slots",
+            f"{streams} streams mid-way, 3 queued ({_frozen(stack)}), SIGKILL the node; restarted with its slots",
             f"{_stream_summary(running)}; queued: {queued}", f"{recovered:.1f}", f"{lost} of 3 (no persistence)")
+
+
+def _frozen(stack: ServeStack) -> str:
+    return "engine SIGSTOPped" if stack.engines == 1 else f"all {stack.engines} engines SIGSTOPped"
+
+
+def redis_cluster_reshard(stack: ServeStack, streams: int) -> Row:
+    """Valkey's atomic slot migration (CLUSTER MIGRATESLOTS) of every engine's slot and then the control slot, each
+    to another primary, while streams run."""
+    password = unquote(urlsplit(stack.state()["admin_redis_url"]).password or "")
+
+    def admin(address: str) -> redis.Redis:
+        host, port = address.rsplit(":", 1)
+        return redis.Redis(host, int(port), username="admin", password=password, socket_timeout=5,
+                           decode_responses=True)
+
+    running = [Stream(stack, 1500) for _ in range(streams)]
+    client = stack.redis()
+    started, moved = time.monotonic(), []
+    try:
+        for key in [*(KEYS.engine(str(e)) for e in range(stack.engines)), KEYS.lb()]:
+            slot, node = client.keyslot(key), client.get_node_from_key(key)
+            source = f"{node.host}:{node.port}"
+            target = next(f"{p.host}:{p.port}" for p in client.get_primaries() if f"{p.host}:{p.port}" != source)
+            with admin(target) as t, admin(source) as s:
+                s.execute_command("CLUSTER", "MIGRATESLOTS", "SLOTSRANGE", slot, slot, "NODE",
+                                  t.execute_command("CLUSTER", "MYID"))
+                port = int(target.rsplit(":", 1)[1])
+                wait_for(lambda t=t, slot=slot, port=port: any(e[0] <= slot <= e[1] and e[2][1] == port
+                                                               for e in t.execute_command("CLUSTER", "SLOTS")),
+                         30, "the move")
+            moved.append(key)
+        took = time.monotonic() - started
+        open_at_end = sum(s.outcome == "open" for s in running)
+    finally:
+        client.close()
+    _finished(running)
+    gone = sum(1 for line in stack.log_path.read_text(errors="replace").splitlines()
+               if "broker.client.liveness" in line and " is gone" in line)
+    return (f"Redis Cluster resharding ({len(moved)} slots: each engine's, then the control slot)",
+            f"{streams} streams of 1500 tokens; CLUSTER MIGRATESLOTS of each slot to another primary, one after another",
+            f"{_stream_summary(running)}; {open_at_end} streams still open when the last slot had moved; "
+            f"'engine gone' verdicts: {gone}", f"{took:.1f} (all moves)", "-")
 
 
 def cluster_steps(stack: ServeStack, primaries: int, streams: int, replicas: int = 0) -> list[Callable[[], Row]]:
@@ -553,14 +607,16 @@ def cluster_steps(stack: ServeStack, primaries: int, streams: int, replicas: int
         if len(followers) != primaries * replicas or any(_role(stack, n["address"]) != "slave" for n in followers):
             return False
         return stack.served()
-    return [lambda i=i: (wait_for(settled, 120, "every node back"), redis_cluster_node_kill(stack, i, streams))[1]
-            for i in range(primaries)]
+    return [lambda: (wait_for(settled, 120, "every node back"), redis_cluster_reshard(stack, streams))[1],
+            *(lambda i=i: (wait_for(settled, 120, "every node back"), redis_cluster_node_kill(stack, i, streams))[1]
+              for i in range(primaries))]
 
 
 def run(model: str, streams: int, redis_replicas: int = 0, failover_streams: int = 32,
-        redis_cluster: int = 0) -> list[Row]:
+        redis_cluster: int = 0, engines: int = 1) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="redserve-faults-"))
-    stack = ServeStack(model, workdir, api_workers=2, redis_replicas=redis_replicas, redis_cluster=redis_cluster)
+    stack = ServeStack(model, workdir, api_workers=2, redis_replicas=redis_replicas, redis_cluster=redis_cluster,
+                       engines=engines)
     rows: list[Row] = []
     try:
         wait_for(stack.served, 180, "the stack to serve", interval=0.5)
@@ -605,14 +661,19 @@ def main() -> None:
     parser.add_argument("--redis-cluster", type=int, default=0,
                         help="N >= 1: run the Cluster rows (each of N primaries killed in turn) instead; with "
                              "--redis-replicas R each primary has R replicas (the cluster fails over)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="engines (with --redis-cluster: each row freezes all of them to queue requests)")
     args = parser.parse_args()
+    if args.data_parallel_size > 1 and not args.redis_cluster:
+        parser.error("--data-parallel-size > 1 is for the --redis-cluster rows")
     model = args.model
     if model is None:
         from worker.models.tiny_model import make_tiny_model
         model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="redserve-tiny-")) / "tiny-llama", arch="llama",
                                     seed=0, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                     intermediate_size=256, vocab_size=1024))
-    rows = run(model, args.streams, args.redis_replicas, args.failover_streams, args.redis_cluster)
+    rows = run(model, args.streams, args.redis_replicas, args.failover_streams, args.redis_cluster,
+               args.data_parallel_size)
     print("| fault | what was done | what clients saw | time to recover (s) | un-started requests lost |")
     print("|---|---|---|---|---|")
     for row in rows:

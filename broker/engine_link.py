@@ -15,9 +15,14 @@ Rules for the engine process:
 - Output thread: one `publisher.publish(...)` per step: one PUBLISH per client (all that client's
   new tokens; SPUBLISH on a cluster, `broker.channels`), the acks and the stats, in one pipeline (on a
   cluster redis-py splits it per node: the engine's own keys are on one, the channels on their clients'). It returns the number of subscribers per
-  client: 0 means nobody heard it, so abort the requests whose outputs were in it (the client is
-  gone, or lost its subscription and fails them itself; its later requests are fine); -1 means the
-  step could not be delivered (Redis down for longer than the retries), so do not conclude anything.
+  client: 0 means the primary has no subscriber. `publisher.gone_clients(receivers)` names those of them whose
+  heartbeat key is gone too: abort the requests whose outputs were in it (their client is dead). A client
+  still alive is left alone: it is resubscribing (it re-places or resumes its requests itself), or on a cluster
+  it is subscribed on a replica of its channel's shard (a restarted primary that rejoined as a replica keeps
+  the subscriptions it took while it still believed it was the primary): the replica relays SPUBLISH, but
+  SPUBLISH counts only the primary's own subscribers. A live client is checked at most once a second
+  (`ALIVE_RECHECK`). -1 means the step could not be delivered (Redis down for longer than the retries), so do
+  not conclude anything.
   Sequence numbers per client only ever grow: a client that resubscribes keeps deduplicating.
 """
 
@@ -54,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 STREAM_FIELD = b"m"  # each stream entry is {m: <msgpack message>}
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError)
+ALIVE_RECHECK = 1.0  # seconds an unheard client found alive is not asked about again
 
 
 class _Backoff:
@@ -198,6 +204,7 @@ class OutputPublisher:
         self.keys = keys or RedisKeys()
         self.engine_id = engine_id
         self._stream = self.keys.request_stream(engine_id)
+        self._alive_at: dict[str, float] = {}  # unheard clients found alive -> when
         self._attempts = attempts
         self._backoff = _Backoff(backoff_cap)
         self._seq: dict[str, int] = {}
@@ -237,6 +244,33 @@ class OutputPublisher:
             self.engine_id, len(clients), len(ack_ids),
         )  # fmt: skip
         return dict.fromkeys(clients, -1)
+
+    def gone_clients(self, receivers: Mapping[str, int]) -> list[str]:
+        """Of the clients `publish` reached no subscriber of (0), those whose heartbeat key is gone (see the module
+        rules); none when Redis cannot say."""
+        now = time.monotonic()
+        unheard = [c for c, n in receivers.items() if n == 0 and now - self._alive_at.get(c, -ALIVE_RECHECK) >= ALIVE_RECHECK]
+        if not unheard:
+            return []
+        try:
+            p = self._redis.pipeline(transaction=False)
+            for client_id in unheard:
+                p.exists(self.keys.client_alive(client_id))
+            alive = p.execute()
+        except redis.RedisError as e:
+            logger.debug("engine %s: could not tell whether %d unheard client(s) live: %s", self.engine_id,
+                         len(unheard), e)
+            return []
+        gone = []
+        for client_id, found in zip(unheard, alive, strict=True):
+            if found:
+                self._alive_at[client_id] = now
+            else:
+                self._alive_at.pop(client_id, None)
+                gone.append(client_id)
+        if len(self._alive_at) > 1024:  # forget clients not asked about for a while
+            self._alive_at = {c: t for c, t in self._alive_at.items() if now - t < 60}
+        return gone
 
     def _encode(self, client_id: str, outs: EngineOutputs) -> bytes:
         seq = self._seq.get(client_id, 0) + 1

@@ -247,7 +247,7 @@ class EngineServer:
             receivers = self.publisher.publish(batch.by_client, batch.ack_ids, batch.stats)
             if batch.start_wave is not None:
                 self.waves.notify_others(batch.start_wave)
-            lost = [o.request_id for c, n in receivers.items() if n == 0
+            lost = [o.request_id for c in self.publisher.gone_clients(receivers)
                     for o in batch.by_client[c].outputs if o.finish_reason is None]
             if lost:
                 self.input_queue.put(ClientGone(lost))
@@ -324,12 +324,12 @@ class EngineServer:
                 self._emit(batch, out)
 
     def _client_gone(self, batch: StepBatch, request_ids: list[str]) -> None:
-        """Outputs of these requests reached no subscriber: their client is gone, or lost its
-        subscription and so fails them itself. Only these requests: a client that is back may
-        already have sent new ones. Sequence numbers are never reset (see OutputPublisher)."""
+        """Outputs of these requests reached no subscriber and their client's heartbeat is gone: the client is
+        dead (`OutputPublisher.gone_clients`). Only these requests: a client that is back may already have sent
+        new ones. Sequence numbers are never reset (see OutputPublisher)."""
         ids = [rid for rid in dict.fromkeys(request_ids) if rid in self.in_flight]
         if ids:
-            logger.info("engine %s: aborting %d requests whose client is not listening", self.engine_id, len(ids))
+            logger.info("engine %s: aborting %d requests whose client is gone", self.engine_id, len(ids))
             self._abort(batch, ids)
 
     def _add(self, batch: StepBatch, message_id: str, msg: AddRequest) -> None:

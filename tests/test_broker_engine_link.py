@@ -253,6 +253,23 @@ def test_publisher_one_pipeline_per_step(redis_client, redis_keys, registry):
     sub.close()
 
 
+def test_unheard_clients_are_gone_only_without_a_heartbeat(redis_client, redis_keys, monkeypatch):
+    """A client whose outputs reached no subscriber on the primary but whose heartbeat lives (resubscribing, or on
+    a cluster subscribed on a replica, which relays SPUBLISH) keeps its requests; one without a heartbeat does not.
+    A live one is asked about at most once per ALIVE_RECHECK."""
+    from broker import engine_link
+
+    pub = OutputPublisher(redis_client, redis_keys, "e0")
+    redis_client.set(redis_keys.client_alive("alive"), b"host 1", px=10_000)
+    receivers = {"alive": 0, "dead": 0, "heard": 1, "dropped": -1}
+    assert pub.gone_clients(receivers) == ["dead"]
+    redis_client.delete(redis_keys.client_alive("alive"))
+    assert pub.gone_clients(receivers) == ["dead"]  # "alive" was found alive under a second ago: not asked again
+    monkeypatch.setattr(engine_link, "ALIVE_RECHECK", 0.0)
+    assert pub.gone_clients(receivers) == ["alive", "dead"]
+    assert pub.gone_clients({"heard": 2, "dropped": -1}) == []
+
+
 def test_publisher_replaces_unencodable_items(redis_client, redis_keys):
     sub = redis_client.pubsub()
     sub.subscribe(redis_keys.output_channel("c1"))
