@@ -6,6 +6,11 @@ Rules:
   the shards with the clients' channels. Classic PUBLISH would be broadcast over the cluster bus to every node,
   and PUBSUB NUMSUB answers for the one node asked: neither is used on a cluster.
 - On one server (or behind sentinels) the classic commands, as before (Redis >= 6.2 has no sharded pub/sub).
+- A shard's replicas accept SSUBSCRIBE too and relay what its primary SPUBLISHes, which counts only the primary's
+  own subscribers: a subscriber can end up on a replica (a restarted primary that rejoined as a replica keeps the
+  subscriptions it took while it still believed it was the primary). `subscriber_counts` adds the replicas'
+  subscribers where the primary has none, and an engine aborts an unheard client's requests only once its
+  heartbeat is gone too (`broker.engine_link`).
 - `Subscriber` holds one plain connection to the node that owns its channels (the first channel's slot; every
   channel one subscriber takes shares it: one client's output channel, one engine's presence channels). Any
   disconnect reaches the caller as an error, and so does a channel moved to another node (the server sends
@@ -59,6 +64,9 @@ def subscriber_counts(client: redis.Redis | RedisCluster, channels: Sequence[str
     if not is_cluster(client):
         return [count for _, count in client.pubsub_numsub(*channels)]
     counts = _shard_counts(client, channels)
+    for i, channel in enumerate(channels):
+        if counts[i] == 0:  # subscribers on the shard's replicas (see the module rules)
+            counts[i] = _replica_count(client, channel)
     empty = {channel: client.get_node_from_key(channel).name for channel, n in zip(channels, counts, strict=True)
              if n == 0}
     if empty:
@@ -72,6 +80,17 @@ def subscriber_counts(client: redis.Redis | RedisCluster, channels: Sequence[str
     if moved:
         raise ChannelMoved(f"{len(set(moved))} channel(s) now on another node, e.g. {moved[0]}")
     return counts
+
+
+def _replica_count(client: RedisCluster, channel: str) -> int:
+    replicas = client.nodes_manager.slots_cache.get(client.keyslot(channel), [])[1:]
+    total = 0
+    for node in replicas:
+        try:
+            total += sum(int(n) for _, n in client.pubsub_shardnumsub(channel, target_nodes=node))
+        except redis.RedisError:
+            continue  # a replica that does not answer has no subscriber we could count on
+    return total
 
 
 def _shard_counts(client: RedisCluster, channels: Sequence[str]) -> list[int]:

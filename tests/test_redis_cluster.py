@@ -246,3 +246,27 @@ def test_a_migrated_slot_drops_its_subscribers_and_its_stale_counts() -> None:
             if client is not None:
                 client.close()
         cluster.stop()
+
+
+def test_a_subscriber_on_a_replica_is_heard_and_counted() -> None:
+    """Without a stack: a shard's replica accepts SSUBSCRIBE and relays its primary's SPUBLISH (which counts only
+    the primary's own subscribers, here 0), and `subscriber_counts` finds that subscriber."""
+    cluster = ClusterRedis(3, 1).start()
+    app = connect(cluster.url)
+    try:
+        channel = KEYS.output_channel("on-a-replica")
+        primary = app.get_node_from_key(channel)
+        name = next(n for n, node in cluster.nodes.items() if node.port == primary.port)
+        replica = next(r for r, p in cluster.primary_of.items() if p == name)
+        with redis.Redis(*cluster.nodes[replica].address, username="redserve",
+                         password=cluster.passwords["redserve"]) as on_replica:
+            sub = on_replica.pubsub()
+            sub.ssubscribe(channel)
+            assert sub.get_message(timeout=2)["type"] == "ssubscribe"
+            assert app.spublish(channel, b"hello") == 0  # the primary has no subscriber of its own
+            assert sub.get_message(timeout=2)["data"] == b"hello"  # the replica relayed it
+            assert subscriber_counts(app, [channel]) == [1]
+            sub.close()
+    finally:
+        app.close()
+        cluster.stop()
