@@ -318,14 +318,6 @@ def cluster_node_for_key(url: str, key: str) -> tuple[str, int]:
     return node.host, node.port
 
 
-def node_url_for_key(url: str, key: str) -> str:
-    """For a cluster URL, the redis:// URL of the primary that owns `key`'s slot now (for a client that speaks to
-    one server); `url` itself for any other URL."""
-    if not is_cluster_url(url):
-        return url
-    return parse_cluster_url(url).node_url(*cluster_node_for_key(url, key))
-
-
 def cluster_topology(client: redis.Redis | RedisCluster) -> list[str] | None:
     """For a cluster client: its primaries as "HOST:PORT", sorted, as its slot map has them; None otherwise."""
     if not isinstance(client, RedisCluster):

@@ -52,7 +52,8 @@ _SSL_PATHS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 def celery_redis_settings(url: str, route_key: str | None = None) -> dict[str, Any]:
     """``broker_url``, ``result_backend``, ``broker_use_ssl`` and ``redis_backend_use_ssl`` for `url` (for a
-    cluster URL: of the node owning `route_key`, see the module rules)."""
+    cluster URL with `route_key`: also ``broker_transport``, the slot-following transport and backend, see the
+    module rules)."""
     if is_cluster_url(url):
         c = parse_cluster_url(url)
         if route_key is None:
