@@ -430,3 +430,62 @@ def test_small_decode_batches_split_by_keys_match_one_pass(decode_kernel, thread
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(outs[1].double(), expected, atol=tol, rtol=tol)
         torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol / 10, rtol=tol / 10)
+
+
+def prefill_reference(q, cache, tables, starts, lens, contexts, block_size, window) -> torch.Tensor:
+    """Float64 attention of each sequence's queries (the last ``lens[s]`` positions of its context), causal."""
+    heads, kv_heads = q.shape[1], cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s, (start, n, context) in enumerate(zip(starts, lens, contexts, strict=True)):
+        positions = torch.arange(context)
+        slots = tables[s, positions // block_size].long() * block_size + positions % block_size
+        keys, values = cache[0, slots].double(), cache[1, slots].double()
+        for i in range(n):
+            pos = context - n + i
+            visible = positions <= pos
+            if window:
+                visible &= positions > pos - window
+            for h in range(heads):
+                scores = keys[:, h * kv_heads // heads] @ q[start + i, h].double() * q.shape[2] ** -0.5
+                probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=0)
+                out[start + i, h] = probs @ values[:, h * kv_heads // heads]
+    return out
+
+
+# bfloat16 prefill tiles on a CPU with AVX512-BF16 take prefill_bf16.h's path (keys packed as dim pairs, 4 / 2 / 1
+# rows a pass by head dim, 32 keys a step); the AVX2 build keeps the per-row walk. Chunks: fresh, over a cached
+# prefix, shorter than a pass's rows, ending mid-block, and longer than a query tile.
+@needs_kernel
+@pytest.mark.parametrize(("group", "dim", "block_size", "window"), [
+    (3, 64, 16, 0),     # SmolLM2's heads
+    (2, 64, 16, 0),     # the tiny model's
+    (1, 128, 8, 0),     # blocks smaller than a group of 16 keys; 2 rows a pass
+    (4, 96, 32, 0),     # 48 dim pairs: three transposes a key group
+    (2, 32, 16, 37),    # a window that starts mid-block and mid-step
+    (1, 256, 16, 5),    # one row a pass; a window shorter than a step
+])
+def test_bfloat16_prefill_chunks_match_float64(decode_kernel, group: int, dim: int, block_size: int,
+                                               window: int) -> None:
+    gen, rng = torch.Generator().manual_seed(group * dim + window), random.Random(dim + window)
+    kv_heads = 2
+    lens, contexts = [2, 7, 40, 17, 100, 3], [2, 39, 40, 81, 100, 200]  # context - len: the cached prefix
+    tables, num_blocks = block_tables(contexts, block_size, rng)
+    cache = (torch.randn(2, num_blocks * block_size, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
+    q = (torch.randn(sum(lens), kv_heads * group, dim, generator=gen) * 2).to(torch.bfloat16)
+    starts = [sum(lens[:s]) for s in range(len(lens))]
+    out = torch.full_like(q, float("nan"))
+    decode_kernel.paged_attention(out, q, cache[0], cache[1], tables, torch.tensor(starts, dtype=torch.int32),
+                                  torch.tensor(lens, dtype=torch.int32), torch.tensor(contexts, dtype=torch.int32),
+                                  block_size, dim ** -0.5, window, 0.0)
+    expected = prefill_reference(q, cache, tables, starts, lens, contexts, block_size, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_native_prefill_follows_dtype_head_dim_and_softcap(decode_kernel) -> None:
+    native = decode_kernel is KERNEL and "avx512_bf16" in build._cpu_flags().split()
+    assert decode_kernel.native_prefill(torch.bfloat16, 64, 0.0) is native
+    assert decode_kernel.native_prefill(torch.bfloat16, 128, 0.0) is native
+    assert not decode_kernel.native_prefill(torch.bfloat16, 80, 0.0)  # not a multiple of 32
+    assert not decode_kernel.native_prefill(torch.bfloat16, 64, 30.0)  # softcap: the caller's path
+    assert not decode_kernel.native_prefill(torch.float32, 64, 0.0)

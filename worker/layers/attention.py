@@ -44,6 +44,7 @@ Rules:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -114,6 +115,22 @@ class UnifiedBatch:
             self.split_buffers = (torch.empty(shape, dtype=torch.float32, device=device),
                                   torch.empty(shape[:3], dtype=torch.float32, device=device))
         return self.split_buffers
+
+
+def attention_layers(model: torch.nn.Module) -> list[PagedAttention]:
+    """The model's `PagedAttention` objects (each attention module's ``attn``)."""
+    return [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), PagedAttention)]
+
+
+def kernel_prefills(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the C++ kernel's native prefill path (csrc/prefill_bf16.h) serves every attention layer of the model
+    in ``dtype``: then prefill chunks go to the kernel instead of SDPA. ``REDSERVE_NO_KERNELS`` naming
+    ``prefill_bf16`` turns it off (A/B runs)."""
+    kernel = paged_attention_kernel()
+    if kernel is None or "prefill_bf16" in os.environ.get("REDSERVE_NO_KERNELS", "").split(","):
+        return False
+    layers = attention_layers(model)
+    return bool(layers) and all(kernel.native_prefill(dtype, a.head_dim, a.softcap or 0.0) for a in layers)
 
 
 def paged_attention_kernel():
