@@ -138,13 +138,13 @@ class InputBatch:
     ``kernel_max_queries`` tokens) go to it as one ``PagedBatch``; otherwise (CUDA without triton, or no
     compiler) decodes get padded slot tables and masks for the torch path. Longer chunks go to SDPA: its GEMM-based CPU kernel, gather included, beats the per-row kernel
     from about 8 queries on (measured: 448 cached + 2/4/8/16 new tokens), except where the kernel's native
-    prefill path serves the model (``kernel_prefills``, set by the runner: bfloat16 on a CPU with AVX512-BF16,
-    csrc/prefill_bf16.h), which beats SDPA at every chunk length: then every chunk goes to the kernel. Input tensors on CPU are views
+    prefill path serves the model (``kernel_prefill_max_queries``, set by the runner from
+    ``attention.kernel_prefill_max_queries``): chunks of up to that many tokens go to the kernel too. Input tensors on CPU are views
     of ``StepBuffers`` (the token ids, positions and slots) and are valid until the next ``prepare``; block
     tables are gathered from the ``BlockTable``, one row per live request."""
 
     kernel_max_queries = 4
-    kernel_prefills = False  # every chunk to the kernel: set where its native prefill path serves every layer
+    kernel_prefill_max_queries = 0  # chunks of up to this many tokens to the kernel (its native prefill path)
 
     def __init__(self, block_size: int, device: torch.device, num_heads_per_kv: int, eos_token_ids: list[int],
                  use_kernel: bool | None = None, use_triton: bool | None = None):
@@ -222,7 +222,7 @@ class InputBatch:
                 slots[start:end] = table[arange[c:context] // bs] * bs + arange[c:context] % bs
             if state.pending is not None and c <= state.pending.position < context:
                 placeholders.append((start + state.pending.position - c, state.pending))
-            if batched and (self.use_triton or self.kernel_prefills
+            if batched and (self.use_triton or n <= self.kernel_prefill_max_queries
                             or ((n == 1 or c) and n <= self.kernel_max_queries)):
                 paged.append((start, n, context, state.row, num_blocks))
             elif n == 1:

@@ -77,7 +77,7 @@ class ModelRunner:
             for name in available_extensions():
                 load_extension(name)
         if self.input_batch.use_kernel:
-            self.input_batch.kernel_prefills = attention.kernel_prefills(self.model, self.dtype)
+            self.input_batch.kernel_prefill_max_queries = attention.kernel_prefill_max_queries(self.model, self.dtype)
         self.num_layers = len(self.model.layer_range)  # this stage's
         self.link = StageLink(hf.hidden_size, self.dtype, self.device) if pp_group().size > 1 else None
         self.kv_caches: list[torch.Tensor] = []

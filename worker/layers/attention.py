@@ -122,15 +122,25 @@ def attention_layers(model: torch.nn.Module) -> list[PagedAttention]:
     return [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), PagedAttention)]
 
 
-def kernel_prefills(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the C++ kernel's native prefill path (csrc/prefill_bf16.h) serves every attention layer of the model
-    in ``dtype``: then prefill chunks go to the kernel instead of SDPA. ``REDSERVE_NO_KERNELS`` naming
-    ``prefill_bf16`` turns it off (A/B runs)."""
+# The most queries a prefill chunk sends to the kernel's native prefill path, by dtype (more go to SDPA). One layer,
+# two threads, 2-core AMD EPYC (Zen 4), 6 Dec 2026, the kernel against SDPA on the same chunks: bfloat16
+# (csrc/prefill_bf16.h, AVX512-BF16) faster at every length (16 x 128 tokens 1.55 against 5.1 ms, 1 x 2048 19.3
+# against 34.7); float32 (csrc/prefill_f32.h, AVX2) faster up to 512 (16 x 128 3.4-3.9 against 5.1-7.8 ms, 2 x 512
+# 5.8 against 7.2), slower from 1024 (1 x 1024 11.6 against 9.9 ms; 1 x 2048 49.4 against 39.2): SDPA's GEMMs win there.
+PREFILL_KERNEL_MAX_QUERIES = {torch.bfloat16: 1 << 30, torch.float32: 512}
+
+
+def kernel_prefill_max_queries(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The most queries of a prefill chunk that go to the C++ kernel's native prefill path (csrc/prefill_bf16.h,
+    csrc/prefill_f32.h) instead of SDPA: ``PREFILL_KERNEL_MAX_QUERIES`` where that path serves every attention layer
+    of the model in ``dtype``, else 0. ``REDSERVE_NO_KERNELS`` naming ``prefill`` turns it off (A/B runs)."""
     kernel = paged_attention_kernel()
-    if kernel is None or "prefill_bf16" in os.environ.get("REDSERVE_NO_KERNELS", "").split(","):
-        return False
+    if kernel is None or "prefill" in os.environ.get("REDSERVE_NO_KERNELS", "").split(","):
+        return 0
     layers = attention_layers(model)
-    return bool(layers) and all(kernel.native_prefill(dtype, a.head_dim, a.softcap or 0.0) for a in layers)
+    if not layers or not all(kernel.native_prefill(dtype, a.head_dim, a.softcap or 0.0) for a in layers):
+        return 0
+    return PREFILL_KERNEL_MAX_QUERIES.get(dtype, 0)
 
 
 def paged_attention_kernel():

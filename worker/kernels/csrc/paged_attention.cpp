@@ -37,8 +37,9 @@
 // about 11 GB/s, where the step is bound), 12-17% faster with the caches in L2/L3; the tiny model's (8 / 4) 7.5 ->
 // 6.6 ms for 8 layers; batch 1 x 300 1.07 -> 0.97 ms.
 //
-// Prefill tiles (several queries) of a bfloat16 cache on a CPU with AVX512-BF16 take prefill_bf16.h's path (flash
-// attention on vdpbf16ps, one KV head at a time, `run_prefill_task_native`): one layer, two threads, 2-core AMD EPYC
+// Prefill tiles (several queries) of a float32 cache with AVX2 take prefill_f32.h's path (8-lane FMAs; faster than
+// SDPA up to 512 tokens a chunk, see worker/layers/attention.py), and of a bfloat16 cache on a CPU with AVX512-BF16
+// prefill_bf16.h's (flash attention on vdpbf16ps), one KV head at a time (`run_prefill_task_native`): one layer, two threads, 2-core AMD EPYC
 // (Zen 4), 6 Dec 2026, against torch's SDPA on the same chunks (what served them before) and the per-row walk
 // (run_task): 16 fresh chunks x 128 tokens, 8 / 4 heads, d 64: 1.55 ms, SDPA 5.1, run_task 11.7; SmolLM2's 9 / 3
 // heads 1.72 ms, SDPA 5.7; 2 x 512, 32 / 8 heads, d 128: 20.3 ms, SDPA 54.8; 1 x 2048, 8 / 4, d 64: 19.3 ms, SDPA 34.7.
@@ -80,6 +81,7 @@
 #include <vector>
 
 #include "prefill_bf16.h"
+#include "prefill_f32.h"
 #include "simd_exp.h"
 
 namespace {
@@ -844,6 +846,20 @@ inline bool run_prefill_task_native(const Task& t, const Views<T>& w, const Shap
     return true;
   }
 #endif
+#if defined(REDSERVE_PREFILL_F32)
+  if constexpr (std::is_same_v<T, float>) {
+    if (!redserve_prefill_f32::serves_f32(s.dim) || s.softcap > 0.f) return false;
+    const int64_t first_pos = w.context_lens[t.seq] - w.query_lens[t.seq] + t.first;
+    const int64_t row0 = w.query_start[t.seq] + t.first;
+    for (int64_t h = t.head_begin; h < t.head_end; ++h) {
+      redserve_prefill_f32::Tile tile{w.q + row0 * w.q_row, w.q_row, w.q_head, w.out + row0 * w.out_row, w.out_row,
+                                      w.out_head, w.k, w.v, w.kv_slot, w.kv_head, w.tables + t.seq * w.table_row,
+                                      s.block_size, first_pos, t.count, h, s.group, s.dim, s.window, s.scale};
+      redserve_prefill_f32::attend(tile);
+    }
+    return true;
+  }
+#endif
   return false;
 }
 
@@ -1018,15 +1034,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   });
 }
 
-// Whether a prefill chunk (more than one query) in `dtype` with this head dim and softcap takes prefill_bf16.h's
-// path here; the rest take the per-row walk (run_task), which the caller may prefer to leave to SDPA.
+// Whether a prefill chunk (more than one query) in `dtype` with this head dim and softcap takes a native path here
+// (prefill_bf16.h, prefill_f32.h); the rest take the per-row walk (run_task), which the caller may leave to SDPA.
 bool native_prefill(at::ScalarType dtype, int64_t head_dim, double softcap) {
+  if (softcap > 0.0) return false;
 #if defined(REDSERVE_PREFILL_BF16)
-  return dtype == at::kBFloat16 && redserve_prefill::serves(head_dim) && softcap <= 0.0;
-#else
-  (void)dtype, (void)head_dim, (void)softcap;
-  return false;
+  if (dtype == at::kBFloat16 && redserve_prefill::serves(head_dim)) return true;
 #endif
+#if defined(REDSERVE_PREFILL_F32)
+  if (dtype == at::kFloat && redserve_prefill_f32::serves_f32(head_dim)) return true;
+#endif
+  (void)dtype, (void)head_dim;
+  return false;
 }
 
 // k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for every token t: the step's new K/V rows
