@@ -24,6 +24,7 @@ import redis
 from broker.connection import connect, mask_url
 from broker.keys import RedisKeys
 from redserve.redis_server import EmbeddedRedis
+from worker.kernels import build
 from worker.kernels.build import cache_root
 
 # Tests that point REDSERVE_CACHE_DIR at a temporary folder (GGUF, tiny-model caches) keep using the C++
@@ -281,3 +282,19 @@ def tokenizer(tiny_llama_dir: str):
     from api.tokenizer import ModelTokenizer
 
     return ModelTokenizer(tiny_llama_dir)
+
+
+# The paged-attention kernel as this CPU builds it and built again without AVX-512: on a CPU with AVX512-BF16 the
+# native build decodes a bfloat16 cache and attends bfloat16 prefill tiles on paths of their own (vdpbf16ps), so
+# the AVX2 paths stay checked too (tests/test_paged_attention.py, tests/test_prefill_attention.py).
+ATTENTION_BUILDS = {"native": None, "avx2": ("-mno-avx512f",)}
+
+
+@pytest.fixture(scope="module", params=list(ATTENTION_BUILDS))
+def attention_kernel(request):
+    cflags = ATTENTION_BUILDS[request.param]
+    module = (build.load_extension("paged_attention") if cflags is None else
+              build.load_extension("paged_attention_avx2", (build.CSRC / "paged_attention.cpp",), cflags))
+    if module is None:
+        pytest.skip(f"the paged-attention kernel ({request.param}) does not build here")
+    return module

@@ -235,6 +235,7 @@ inline void finish_rows(const Tile& t, const Rows& g) {
 // SDPA that way).
 inline void attend(const Tile& t) {
   thread_local Scratch scratch;
+  thread_local std::vector<Rows> rows;  // the tile's row groups (reused: no allocation a tile)
   const int64_t last_pos = t.first_pos + t.count - 1;
   const int64_t lo = t.window > 0 ? std::max<int64_t>(0, t.first_pos - t.window + 1) : 0;
   const int64_t base = lo / kKeys * kKeys, steps = (last_pos - base) / kKeys + 1;
@@ -245,8 +246,7 @@ inline void attend(const Tile& t) {
   float* zeros = scratch.keys + steps * kKeys * t.dim;  // one row of zeros past the packed keys
   std::fill_n(zeros, t.dim, 0.f);
   pack(t, base, steps, lo, last_pos + 1, scratch.keys, scratch.values, zeros);
-  std::vector<Rows> rows;
-  rows.reserve(static_cast<size_t>(groups));
+  rows.clear();
   for (int64_t h = 0; h < t.group; ++h)
     for (int64_t i0 = 0; i0 < t.count; i0 += kRows)
       rows.push_back(rows_of(t, h, i0, scratch.acc + static_cast<int64_t>(rows.size()) * state));
