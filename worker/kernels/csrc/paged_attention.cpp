@@ -55,6 +55,15 @@
 // spread, caches from DRAM: 23.3-25.1 -> 19.5-20.7 ms a step of 30 layers (12.6 -> 14.5 GB/s; 15-17%, the two
 // parts 6-8% and 3%), one thread 44.2 -> 40.5 ms, caches in L2/L3 11.8 -> 11.2 ms, batch 1 x 300 0.60 -> 0.57 ms;
 // the float32 path (tiny model's heads) unchanged. Two blocks ahead, or a second one into L2, was 1-3.5% slower or level.
+// Since 6 Dec 2026 both decode paths also fetch the block after next into L2 (prefetcht1), a KV head at a time as
+// each head's pass over this block starts, and a thread's next task brings its first two blocks into L2, not one:
+// the L1 fetch of the next block alone is bounded by the core's few L1 miss buffers (~7 GB/s a thread), the L2
+// fetch runs ahead of it. benchmarks/ab_paged_attention.py, 2-core AMD EPYC (Zen 4), caches from DRAM, medians of
+// 15 interleaved rounds: tiny model's heads (8 / 4, 8 layers) batch 64 x 192 spread, bf16, 8.6-11.7 -> 6.5-7.8 ms
+// (0.67-0.76x; one thread 0.67x), float32 17.9 -> 13.7 ms; SmolLM2's (9 / 3, 30 layers) batch 64 x 200 spread,
+// bf16 26.9 -> 20.7 ms, float32 57.3 -> 42.2 ms; batch 16 x 512 0.73x; batch 1 x 300 0.96x; caches in L2/L3
+// (--hot) level. Fetching the whole block after next at once was 9-11% slower than a head at a time; three
+// blocks ahead 2-7% slower than two; dropping the L1 fetch of the next block 16-22% slower.
 //
 // Small decode batches (fewer tiles than 4 a thread, e.g. one stream) split a decode by keys instead of by heads
 // (make_tasks): pieces of whole blocks over all KV heads, each keeping its rows' running max, sum and unnormalised
@@ -525,10 +534,25 @@ inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int6
   prefetch_rows(w, block * bs, bs, t.head_begin, t.head_end - t.head_begin);
 }
 
+// prefetch_rows into L2 only: the block after the next one, a KV head at a time (see the rules above
+// prefetch_line_l2's use in run_decode_task_bf16).
+template <typename T>
+inline void prefetch_rows_l2(const Views<T>& w, int64_t slot0, int64_t n, int64_t head_begin, int64_t heads) {
+  const int64_t row_bytes = heads * w.kv_head * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = (slot0 + j) * w.kv_slot + head_begin * w.kv_head;
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      prefetch_line_l2(reinterpret_cast<const char*>(w.k + row) + off);
+      prefetch_line_l2(reinterpret_cast<const char*>(w.v + row) + off);
+    }
+  }
+}
+
 // The bfloat16 decode path fetches the next block a KV head at a time (prefetch_rows of one head), after each
 // head's pass over this block, instead of all of it at once before the first (benchmarks/ab_paged_attention.py,
 // caches from DRAM): SmolLM2's heads at batch 64 x 200 3-4% faster with two threads, 5% with one; the tiny
-// model's (--spread) 11%. Without any prefetch: 1.4x slower; two blocks ahead: 2-5% slower than one.
+// model's (--spread) 11%. Without any prefetch: 1.4x slower; two blocks ahead: 2-5% slower than one. The L2 fetch of
+// the block after next (prefetch_rows_l2) comes on top of it (see the file's head).
 
 // Floats of a thread's scratch buffer (what a task reads there it has written first).
 struct Floats {
@@ -641,10 +665,13 @@ void run_decode_task(const Task& t, const Views<T>& w, const Shape& s, Scratch& 
     const int64_t n = end - begin;
     const int64_t slot0 = static_cast<int64_t>(table[b]) * bs + (begin - b * bs);
     if (b < (hi - 1) / bs) prefetch_block(w, t, table[b + 1], bs);
+    const int64_t far_slot = b + 1 < (hi - 1) / bs ? static_cast<int64_t>(table[b + 2]) * bs : -1;
+    if (far_slot >= 0 && !simd) prefetch_rows_l2(w, far_slot, bs, t.head_begin, nh);
     if (simd) {  // per query row, eight keys of its KV head per pass (the block stays in L1 across rows)
 #if defined(__AVX2__) && defined(__FMA__)
       if constexpr (simd_decode_dtype<T>()) {
         for (int64_t h = 0; h < nh; ++h) {
+          if (far_slot >= 0) prefetch_rows_l2(w, far_slot, bs, t.head_begin + h, 1);  // two blocks ahead
           const auto* keys = storage(w.k + slot0 * w.kv_slot + (t.head_begin + h) * w.kv_head);
           const int64_t r0 = h * s.group;
           if (score_group(s.group, x.q.data() + r0 * d, d, keys, w.kv_slot, n, x.scores.data() + r0 * bs, bs)) continue;
@@ -749,12 +776,14 @@ void run_decode_task_bf16(const Task& t, const Views<c10::BFloat16>& w, const Sh
     const int64_t begin = std::max(lo, b * bs), end = std::min(hi, (b + 1) * bs);
     const int64_t slot_b = static_cast<int64_t>(table[b]) * bs - b * bs;  // key position pos sits at slot_b + pos
     const int64_t next_slot = b < (hi - 1) / bs ? static_cast<int64_t>(table[b + 1]) * bs : -1;
+    const int64_t far_slot = b + 1 < (hi - 1) / bs ? static_cast<int64_t>(table[b + 2]) * bs : -1;
     for (int64_t j0 = begin; j0 < end; j0 += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, end - j0));
       const __mmask16 live = static_cast<__mmask16>((1u << m) - 1);
       const int64_t slot0 = slot_b + j0;
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t r0 = h * s.group;
+        if (far_slot >= 0 && j0 == begin) prefetch_rows_l2(w, far_slot, bs, t.head_begin + h, 1);  // two blocks ahead
         const auto* keys = storage(w.k + slot0 * w.kv_slot + (t.head_begin + h) * w.kv_head);
         float* m_old = x.m.data() + r0;
         float* l = x.l.data() + r0;
@@ -943,23 +972,18 @@ void merge_splits(const std::vector<Split>& splits, const float* partials, const
   }
 }
 
-// The first block a decode task reads (its query's window start), all its heads, into L2.
+// The first two blocks a decode task reads (from its query's window start), all its heads, into L2: the blocks
+// that no earlier block of the task fetched (each block fetches the one after next).
 template <typename T>
-inline void prefetch_first_block(const Views<T>& w, const Shape& s, const Task& t) {
+inline void prefetch_first_blocks(const Views<T>& w, const Shape& s, const Task& t) {
   if (t.count != 1 || w.query_lens[t.seq] != 1) return;
   const int64_t qpos = w.context_lens[t.seq] - 1;
   const int64_t lo = first_key(t, s.window, qpos);
   if (lo > qpos) return;
-  const int64_t b = lo / s.block_size;
-  const int64_t slot0 = static_cast<int64_t>(w.tables[t.seq * w.table_row + b]) * s.block_size;
-  const int64_t n = std::min(s.block_size, qpos + 1 - b * s.block_size);
-  const int64_t row_bytes = (t.head_end - t.head_begin) * w.kv_head * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = (slot0 + j) * w.kv_slot + t.head_begin * w.kv_head;
-    for (int64_t off = 0; off < row_bytes; off += 64) {
-      prefetch_line_l2(reinterpret_cast<const char*>(w.k + row) + off);
-      prefetch_line_l2(reinterpret_cast<const char*>(w.v + row) + off);
-    }
+  const int64_t bs = s.block_size, first = lo / bs;
+  for (int64_t b = first; b <= std::min(first + 1, qpos / bs); ++b) {
+    const int64_t slot0 = static_cast<int64_t>(w.tables[t.seq * w.table_row + b]) * bs;
+    prefetch_rows_l2(w, slot0, std::min(bs, qpos + 1 - b * bs), t.head_begin, t.head_end - t.head_begin);
   }
 }
 
@@ -1019,7 +1043,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       for (size_t i = next.fetch_add(1, std::memory_order_relaxed), j; i < tasks.size(); i = j) {
         const Task& task = tasks[i];
         j = next.fetch_add(1, std::memory_order_relaxed);  // the task after this one: its first block into L2
-        if (j < tasks.size()) prefetch_first_block(views, shape, tasks[j]);
+        if (j < tasks.size()) prefetch_first_blocks(views, shape, tasks[j]);
         if (task.count == 1 && views.query_lens[task.seq] == 1) {
           float* part = task.part < 0 ? nullptr : partials.data() + task.part * heads * partial_row(shape.dim);
           if (!run_decode_task_native(task, views, shape, scratch, part)) {
