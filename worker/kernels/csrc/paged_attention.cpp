@@ -855,37 +855,37 @@ inline bool run_decode_task_native(const Task& t, const Views<T>& w, const Shape
   return false;
 }
 
-// A prefill tile (several queries of a sequence) on the CPU's native bfloat16 path (prefill_bf16.h), one KV head
-// at a time, where it serves the dtype and shape; false: not served.
+// Each KV head of a prefill tile through a prefill header's `attend` (prefill_bf16.h's or prefill_f32.h's Tile:
+// the same fields over the element type E the header reads).
+template <class Tile, class E, class T>
+inline void attend_heads(const Task& t, const Views<T>& w, const Shape& s, const E* q, E* out, const E* k, const E* v,
+                         void (*attend)(const Tile&)) {
+  const int64_t first_pos = w.context_lens[t.seq] - w.query_lens[t.seq] + t.first;
+  const int64_t row0 = w.query_start[t.seq] + t.first;
+  for (int64_t h = t.head_begin; h < t.head_end; ++h) {
+    attend(Tile{q + row0 * w.q_row, w.q_row, w.q_head, out + row0 * w.out_row, w.out_row, w.out_head, k, v, w.kv_slot,
+                w.kv_head, w.tables + t.seq * w.table_row, s.block_size, first_pos, t.count, h, s.group, s.dim,
+                s.window, s.scale});
+  }
+}
+
+// A prefill tile (several queries of a sequence) on the CPU's native path for its dtype (prefill_bf16.h,
+// prefill_f32.h), one KV head at a time, where it serves the dtype and shape; false: not served.
 template <typename T>
 inline bool run_prefill_task_native(const Task& t, const Views<T>& w, const Shape& s) {
+  if (s.softcap > 0.f) return false;
 #if defined(REDSERVE_PREFILL_BF16)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (!redserve_prefill::serves(s.dim) || s.softcap > 0.f) return false;
-    const int64_t first_pos = w.context_lens[t.seq] - w.query_lens[t.seq] + t.first;
-    const int64_t row0 = w.query_start[t.seq] + t.first;
-    for (int64_t h = t.head_begin; h < t.head_end; ++h) {
-      redserve_prefill::Tile tile{storage(w.q + row0 * w.q_row), w.q_row, w.q_head,
-                                  reinterpret_cast<uint16_t*>(w.out + row0 * w.out_row), w.out_row, w.out_head,
-                                  storage(w.k), storage(w.v), w.kv_slot, w.kv_head,
-                                  w.tables + t.seq * w.table_row, s.block_size, first_pos, t.count, h, s.group,
-                                  s.dim, s.window, s.scale};
-      redserve_prefill::attend(tile);
-    }
+    if (!redserve_prefill::serves(s.dim)) return false;
+    attend_heads<redserve_prefill::Tile>(t, w, s, storage(w.q), reinterpret_cast<uint16_t*>(w.out), storage(w.k),
+                                         storage(w.v), redserve_prefill::attend);
     return true;
   }
 #endif
 #if defined(REDSERVE_PREFILL_F32)
   if constexpr (std::is_same_v<T, float>) {
-    if (!redserve_prefill_f32::serves_f32(s.dim) || s.softcap > 0.f) return false;
-    const int64_t first_pos = w.context_lens[t.seq] - w.query_lens[t.seq] + t.first;
-    const int64_t row0 = w.query_start[t.seq] + t.first;
-    for (int64_t h = t.head_begin; h < t.head_end; ++h) {
-      redserve_prefill_f32::Tile tile{w.q + row0 * w.q_row, w.q_row, w.q_head, w.out + row0 * w.out_row, w.out_row,
-                                      w.out_head, w.k, w.v, w.kv_slot, w.kv_head, w.tables + t.seq * w.table_row,
-                                      s.block_size, first_pos, t.count, h, s.group, s.dim, s.window, s.scale};
-      redserve_prefill_f32::attend(tile);
-    }
+    if (!redserve_prefill_f32::serves_f32(s.dim)) return false;
+    attend_heads<redserve_prefill_f32::Tile>(t, w, s, w.q, w.out, w.k, w.v, redserve_prefill_f32::attend);
     return true;
   }
 #endif
