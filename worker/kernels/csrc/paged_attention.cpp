@@ -512,9 +512,10 @@ inline void prefetch_line_l2(const char* p) {
 #endif
 }
 
-// The K/V rows of KV heads [head_begin, head_begin + heads) in slots [slot0, slot0 + n). Blocks sit anywhere in
-// the pool, so no hardware prefetcher sees the next one coming: a task fetches it while it works on this one.
-template <typename T>
+// The K/V rows of KV heads [head_begin, head_begin + heads) in slots [slot0, slot0 + n), into L1 (or into L2 only:
+// prefetch_rows_l2). Blocks sit anywhere in the pool, so no hardware prefetcher sees the next one coming: a task
+// fetches it while it works on this one.
+template <typename T, bool IntoL2 = false>
 inline void prefetch_rows(const Views<T>& w, int64_t slot0, int64_t n, int64_t head_begin, int64_t heads) {
   const int64_t row_bytes = heads * w.kv_head * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < n; ++j) {
@@ -522,30 +523,27 @@ inline void prefetch_rows(const Views<T>& w, int64_t slot0, int64_t n, int64_t h
     const char* kr = reinterpret_cast<const char*>(w.k + row);
     const char* vr = reinterpret_cast<const char*>(w.v + row);
     for (int64_t off = 0; off < row_bytes; off += 64) {
-      prefetch_line(kr + off);
-      prefetch_line(vr + off);
+      if constexpr (IntoL2) {
+        prefetch_line_l2(kr + off);
+        prefetch_line_l2(vr + off);
+      } else {
+        prefetch_line(kr + off);
+        prefetch_line(vr + off);
+      }
     }
   }
+}
+
+// The block after next, a KV head at a time, and a next task's first two blocks (see the file's head).
+template <typename T>
+inline void prefetch_rows_l2(const Views<T>& w, int64_t slot0, int64_t n, int64_t head_begin, int64_t heads) {
+  prefetch_rows<T, true>(w, slot0, n, head_begin, heads);
 }
 
 // All of a task's heads in one block.
 template <typename T>
 inline void prefetch_block(const Views<T>& w, const Task& t, int64_t block, int64_t bs) {
   prefetch_rows(w, block * bs, bs, t.head_begin, t.head_end - t.head_begin);
-}
-
-// prefetch_rows into L2 only: the block after the next one, a KV head at a time (see the rules above
-// prefetch_line_l2's use in run_decode_task_bf16).
-template <typename T>
-inline void prefetch_rows_l2(const Views<T>& w, int64_t slot0, int64_t n, int64_t head_begin, int64_t heads) {
-  const int64_t row_bytes = heads * w.kv_head * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = (slot0 + j) * w.kv_slot + head_begin * w.kv_head;
-    for (int64_t off = 0; off < row_bytes; off += 64) {
-      prefetch_line_l2(reinterpret_cast<const char*>(w.k + row) + off);
-      prefetch_line_l2(reinterpret_cast<const char*>(w.v + row) + off);
-    }
-  }
 }
 
 // The bfloat16 decode path fetches the next block a KV head at a time (prefetch_rows of one head), after each
