@@ -1,54 +1,15 @@
 """Unit tests for engine.scheduler with a fake model: budget, max_num_seqs, chunked prefill, FCFS,
-preemption by recompute, aborts, stop rules."""
+preemption by recompute, aborts (the stop rules: tests/test_scheduler_stops.py)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import pytest
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig, TokenUpdate
-from protocol.sampling_params import SamplingParams
-from protocol.step_types import CachedRequestData, ModelRunnerOutput, SampledToken, SchedulerOutput
-
-BS = 4
-EOS = 1
-FILLER = 7  # the fake model's default token: neither EOS nor a stop token
-
-
-def make_scheduler(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, max_model_len: int = 256,
-                   chunked: bool = True, prefix: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, chunked),
-                     BlockManager(num_blocks, BS, prefix), [EOS])
-
-
-def make_request(rid: str, n: int, start: int = 100, **params) -> Request:
-    params.setdefault("max_tokens", 16)
-    return Request(rid, list(range(start, start + n)), SamplingParams(**params))
-
-
-def step(s: Scheduler, token: Callable[[Request], int] = lambda r: FILLER
-         ) -> tuple[SchedulerOutput, list[TokenUpdate]]:
-    """One schedule + fake execute + update; a token is sampled where the chunk reaches the last token."""
-    out = s.schedule()
-    sampled = {}
-    for rid, n in out.num_scheduled_tokens.items():
-        r = s.requests[rid]
-        assert 1 <= n <= r.num_tokens - r.num_computed_tokens
-        if r.num_computed_tokens + n == r.num_tokens:
-            sampled[rid] = SampledToken(token(r))
-    return out, s.update_from_output(out, ModelRunnerOutput(sampled))
-
-
-def run_to_completion(s: Scheduler, max_steps: int = 500) -> list[SchedulerOutput]:
-    outs = []
-    for _ in range(max_steps):
-        if not s.has_unfinished():
-            return outs
-        outs.append(step(s)[0])
-    raise AssertionError("scheduler did not finish")
+from engine.scheduler import Scheduler, SchedulerConfig
+from protocol.step_types import CachedRequestData, ModelRunnerOutput, SampledToken
+from tests.scheduler_helpers import BS, EOS, FILLER, make_request, make_scheduler, run_to_completion, step
 
 
 def test_token_budget_and_chunking_of_the_last_admitted() -> None:
@@ -245,57 +206,6 @@ def test_abort_preempted_request() -> None:
     assert s.block_manager.num_free_blocks == 4
 
 
-def _finish_with(tokens: list[int], **params) -> Request:
-    s = make_scheduler()
-    req = make_request("r", 5, **params)
-    s.add_request(req)
-    feed = iter(tokens)
-    while s.has_unfinished():
-        step(s, lambda r: next(feed))
-    assert s.block_manager.num_free_blocks == 64
-    return req
-
-
-def test_stop_on_eos() -> None:
-    req = _finish_with([9, EOS, 9])
-    assert req.status == RequestStatus.FINISHED_STOPPED and req.status.finish_reason == "stop"
-    assert req.output_token_ids == [9, EOS] and req.stop_reason is None
-
-
-def test_ignore_eos() -> None:
-    req = _finish_with([EOS] * 5, ignore_eos=True, max_tokens=5)
-    assert req.status == RequestStatus.FINISHED_LENGTH and req.output_token_ids == [EOS] * 5
-
-
-def test_stop_token_ids() -> None:
-    req = _finish_with([9, 9, 42, 9], stop_token_ids=[42])
-    assert req.status == RequestStatus.FINISHED_STOPPED
-    assert req.output_token_ids == [9, 9, 42] and req.stop_reason == 42
-
-
-def test_min_tokens_suppresses_stops() -> None:
-    req = _finish_with([EOS, 42, 9, 42], stop_token_ids=[42], min_tokens=3)
-    assert req.output_token_ids == [EOS, 42, 9, 42]
-    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == 42
-
-
-def test_max_tokens() -> None:
-    req = _finish_with([9] * 3, max_tokens=3)
-    assert req.status == RequestStatus.FINISHED_LENGTH and req.status.finish_reason == "length"
-    assert req.num_output_tokens == 3
-
-
-def test_max_model_len() -> None:
-    s = make_scheduler(max_model_len=12)
-    with pytest.raises(ValueError):
-        s.add_request(make_request("too_long", 12))
-    req = make_request("r", 9, max_tokens=100)
-    s.add_request(req)
-    run_to_completion(s)
-    assert req.num_tokens == 12 and req.num_output_tokens == 3
-    assert req.status == RequestStatus.FINISHED_LENGTH
-
-
 def test_prefix_hit_sets_computed_and_cached_tokens() -> None:
     s = make_scheduler()
     a = make_request("a", 10, max_tokens=2)
@@ -475,59 +385,3 @@ def test_tokens_of_requests_aborted_in_flight_are_dropped() -> None:
     updates = s.update_from_output(out, ModelRunnerOutput({"a": SampledToken(FILLER), "b": SampledToken(FILLER)}))
     assert [(u.request.request_id, u.token) for u in updates] == [("b", SampledToken(FILLER))]
     assert a.output_token_ids == [] and b.output_token_ids == [FILLER]
-
-
-class _FailingMatcher:
-    """A structured-output matcher that rejects every token (llguidance's LLMatcher interface)."""
-
-    def consume_token(self, token_id: int) -> bool:
-        return False
-
-    def is_error(self) -> bool:
-        return True
-
-    def get_error(self) -> str:
-        return "rejected"
-
-
-def test_a_failed_grammar_stops_the_request() -> None:
-    s = make_scheduler()
-    req = make_request("g", 4)
-    req.grammar = _FailingMatcher()
-    s.add_request(req)
-    _, updates = step(s)
-    assert updates[0].finished and req.status == RequestStatus.FINISHED_STOPPED
-
-
-class _CompleteMatcher:
-    """A matcher whose grammar is complete: it takes every token and only EOS may follow."""
-
-    def __init__(self) -> None:
-        self.consumed: list[int] = []
-
-    def consume_token(self, token_id: int) -> bool:
-        self.consumed.append(token_id)
-        return True
-
-    def is_error(self) -> bool:
-        return False
-
-    def is_stopped(self) -> bool:
-        return True
-
-
-def test_eos_ends_a_complete_grammar_even_with_ignore_eos() -> None:
-    s = make_scheduler()
-    req = make_request("g", 4, ignore_eos=True)
-    req.grammar = _CompleteMatcher()
-    s.add_request(req)
-    feed = iter([9, EOS, 9])
-    while s.has_unfinished():
-        step(s, lambda r: next(feed))
-    assert req.output_token_ids == [9, EOS] and req.grammar.consumed == [9, EOS]
-    assert req.status == RequestStatus.FINISHED_STOPPED
-
-
-def test_a_stop_token_at_exactly_min_tokens_stops() -> None:
-    req = _finish_with([EOS, 42, 9], stop_token_ids=[42], min_tokens=2)
-    assert req.output_token_ids == [EOS, 42] and req.stop_reason == 42
